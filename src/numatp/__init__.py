@@ -1,0 +1,13 @@
+"""numatp: NUMA-aware tensor parallelism for ``torch.compile`` on multi-socket CPUs.
+
+Each socket is a tensor-parallel rank inside one process: weight shards live in their socket's DRAM,
+a thread group pinned to each socket computes on its local shards, and one all-reduce closes each
+attention and MLP block.
+"""
+
+from __future__ import annotations
+
+from numatp.topology import Topology
+
+__all__ = ["Topology"]
+__version__ = "0.1.0"

@@ -1,0 +1,7 @@
+"""``python -m numatp`` runs the command line."""
+
+import sys
+
+from numatp.cli import main
+
+sys.exit(main())
