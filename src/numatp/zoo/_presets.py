@@ -1,0 +1,149 @@
+"""Configuration tables for the zoo's presets: real sizes and their tiny test twins.
+
+Every full preset copies the numbers of a public checkpoint's ``config.json`` (the model id is
+named beside it); the tiny twin keeps the family, head layout, MLP kind, norms, activation and
+RoPE of the full one, and shrinks depth, width and vocabulary so tests run in milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from transformers import BertConfig, Gemma3TextConfig, GPT2Config, LlamaConfig, PretrainedConfig
+
+__all__: list[str] = []  # private module: the public surface is numatp.zoo
+
+
+def _gpt2(*, layers: int, hidden: int, heads: int, vocab: int = 50257, positions: int = 1024) -> GPT2Config:
+    # GPT-2's MLP is 4 x hidden with gelu_new, and its LM head is tied to wte.
+    return GPT2Config(
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        activation_function="gelu_new",
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+        # GPT-2's <|endoftext|> is the last token; tiny vocabularies keep it in range.
+        bos_token_id=vocab - 1,
+        eos_token_id=vocab - 1,
+    )
+
+
+def _bert(
+    *, layers: int, hidden: int, heads: int, intermediate: int, vocab: int = 30522, positions: int = 512
+) -> BertConfig:
+    return BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=intermediate,
+        hidden_act="gelu",
+        max_position_embeddings=positions,
+        type_vocab_size=2,
+        layer_norm_eps=1e-12,
+    )
+
+
+def _gemma3(
+    *,
+    layer_types: list[str],
+    hidden: int,
+    heads: int,
+    head_dim: int,
+    intermediate: int,
+    sliding_window: int,
+    vocab: int = 262144,
+    positions: int = 32768,
+) -> Gemma3TextConfig:
+    # One KV head shared by all query heads (MQA), q/k RMSNorm, GeGLU with gelu_pytorch_tanh;
+    # local (sliding) layers use RoPE base 1e4, global (full) layers 1e6.
+    return Gemma3TextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=positions,
+        rms_norm_eps=1e-6,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        tie_word_embeddings=True,
+    )
+
+
+def _llama(
+    *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 32000, positions: int = 2048
+) -> LlamaConfig:
+    # GQA + SwiGLU (silu gate) + RoPE base 1e4, untied LM head.
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_act="silu",
+        max_position_embeddings=positions,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+    )
+
+
+# google/gemma-3-270m: 18 layers as three blocks of 5 sliding + 1 full.
+_GEMMA3_270M_LAYERS = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+
+FULL: dict[str, Callable[[], PretrainedConfig]] = {
+    # openai-community/gpt2 (124M)
+    "gpt2": lambda: _gpt2(layers=12, hidden=768, heads=12),
+    # openai-community/gpt2-medium (355M)
+    "gpt2-medium": lambda: _gpt2(layers=24, hidden=1024, heads=16),
+    # openai-community/gpt2-large (774M)
+    "gpt2-large": lambda: _gpt2(layers=36, hidden=1280, heads=20),
+    # prajjwal1/bert-small (L=4, H=512)
+    "bert-small": lambda: _bert(layers=4, hidden=512, heads=8, intermediate=2048),
+    # google-bert/bert-large-uncased (336M)
+    "bert-large": lambda: _bert(layers=24, hidden=1024, heads=16, intermediate=4096),
+    # google/gemma-3-270m
+    "gemma3-270m": lambda: _gemma3(
+        layer_types=list(_GEMMA3_270M_LAYERS), hidden=640, heads=4, head_dim=256, intermediate=2048, sliding_window=512
+    ),
+    # TinyLlama/TinyLlama-1.1B-Chat-v1.0
+    "llama": lambda: _llama(layers=22, hidden=2048, heads=32, kv_heads=4, intermediate=5632),
+}
+
+# Tiny twins: 2 layers, vocab 512, 128 positions. Head layouts keep the full ones: gemma 1 KV
+# head; llama TinyLlama's 32 query / 4 KV heads (8 per KV head, head_dim 8). Gemma keeps one
+# sliding and one full layer with a window of 16, so sequences past 16 use the sliding mask.
+TINY: dict[str, Callable[[], PretrainedConfig]] = {
+    "gpt2": lambda: _gpt2(layers=2, hidden=64, heads=4, vocab=512, positions=128),
+    "gpt2-medium": lambda: _gpt2(layers=2, hidden=64, heads=4, vocab=512, positions=128),
+    "gpt2-large": lambda: _gpt2(layers=2, hidden=80, heads=5, vocab=512, positions=128),
+    "bert-small": lambda: _bert(layers=2, hidden=64, heads=4, intermediate=256, vocab=512, positions=128),
+    "bert-large": lambda: _bert(layers=2, hidden=64, heads=4, intermediate=256, vocab=512, positions=128),
+    "gemma3-270m": lambda: _gemma3(
+        layer_types=["sliding_attention", "full_attention"],
+        hidden=64,
+        heads=4,
+        head_dim=16,
+        intermediate=256,
+        sliding_window=16,
+        vocab=512,
+        positions=128,
+    ),
+    "llama": lambda: _llama(layers=2, hidden=256, heads=32, kv_heads=4, intermediate=704, vocab=512, positions=128),
+}
+
+# Short tags for describe(): which MLP each family uses.
+MLP_KIND: dict[str, str] = {"gpt2": "gelu", "bert": "gelu", "gemma3_text": "geglu", "llama": "swiglu"}
