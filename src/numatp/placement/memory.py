@@ -1,0 +1,111 @@
+"""Node-placed tensors: the paper's ``clone(numa_node=i)`` (Sec. II-A) and the check that it worked.
+
+``numa_clone`` maps a fresh page-aligned anonymous buffer, binds it to one node with ``mbind`` *before*
+anything touches it (a page lands on a node at first touch, so binding afterwards moves nothing), then
+copies the data in. ``torch.empty`` is neither page-aligned nor guaranteed untouched, so it is never
+bound in place.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from numatp.placement import _syscalls
+from numatp.placement._common import PlacementError, refused, validate_node
+
+__all__ = ["numa_clone", "pages_by_node"]
+
+_QUERY_CHUNK = 1 << 14  # pages per move_pages call: bounds the ctypes arrays, not the tensor size
+
+
+class _NodeBuffer(mmap.mmap):
+    """The anonymous mapping behind a placed tensor. The tensor holds the only reference (through
+    ``torch.frombuffer``), so the mapping lives exactly as long as the tensor and its views."""
+
+
+def _check_cpu_tensor(tensor: torch.Tensor, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+        raise ValueError(f"{what} works on dense CPU tensors, got device={tensor.device} "
+                         f"layout={tensor.layout}; move it with .cpu() / .to_dense() first")
+
+
+def numa_clone(tensor: torch.Tensor, node: int, *, strict: bool = False) -> torch.Tensor:
+    """A contiguous copy of ``tensor`` (same shape, dtype and values) whose pages are on ``node``.
+
+    Any dtype, shape and strides are accepted; the result does not require grad. Its memory is an
+    anonymous ``mmap`` owned by the returned tensor (and its views) and unmapped when they are gone.
+
+    ``node`` must be a node with memory (ValueError naming the valid nodes otherwise). Where the
+    kernel refuses memory policy (EPERM under seccomp, ENOSYS without NUMA), the fallback is the
+    same page-aligned copy without binding (first touch puts it on the copying thread's node), with
+    one RuntimeWarning per process; with ``strict=True`` that raises PlacementError instead.
+    """
+    _check_cpu_tensor(tensor, "numa_clone")
+    validate_node(node)
+    nbytes = tensor.numel() * tensor.element_size()
+    length = max(1, -(-nbytes // _syscalls.PAGE_SIZE)) * _syscalls.PAGE_SIZE
+    buf = _NodeBuffer(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)  # shares the mapping; touches no page
+    try:
+        _syscalls.mbind(raw.data_ptr(), length, _syscalls.MPOL_BIND, [node])
+    except OSError as e:
+        refused("mbind", node, e, strict=strict, fallback="a plain page-aligned copy")
+    out = raw[:nbytes].view(tensor.dtype).view(tensor.shape)
+    with torch.no_grad():
+        out.copy_(tensor)  # first touch: every page is allocated under the binding
+    return out
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """[start, end) byte addresses covering every element of ``tensor``."""
+    if tensor.numel() == 0:
+        return 0, 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    start = tensor.data_ptr()
+    return start, start + (last + 1) * tensor.element_size()
+
+
+def pages_by_node(tensor: torch.Tensor) -> dict[int, int]:
+    """Count the pages holding ``tensor``'s elements by the node they are on: ``{node: n_pages}``.
+
+    Uses ``move_pages`` with ``nodes=NULL``, which only reports. Pages that could not be placed are
+    counted under the negative errno the kernel gives: ``-errno.ENOENT`` (-2) for a page not yet
+    touched (not present), ``-errno.EFAULT`` (-14) for an address not mapped. An empty tensor gives
+    ``{}``. Raises PlacementError if the kernel refuses the query (e.g. seccomp).
+    """
+    _check_cpu_tensor(tensor, "pages_by_node")
+    start, end = _span(tensor)
+    if start == end:
+        return {}
+    page = _syscalls.PAGE_SIZE
+    first = start - start % page
+    addrs = list(range(first, end, page))
+    counts: dict[int, int] = {}
+    for i in range(0, len(addrs), _QUERY_CHUNK):
+        try:
+            status = _syscalls.move_pages_query(addrs[i : i + _QUERY_CHUNK])
+        except OSError as e:
+            raise PlacementError(
+                f"move_pages could not report where {len(addrs)} pages are: {e.strerror}; this "
+                f"environment does not allow NUMA queries (seccomp without CAP_SYS_NICE, or a "
+                f"kernel without NUMA)"
+            ) from e
+        for s in status:
+            counts[s] = counts.get(s, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+@torch.library.custom_op("numatp::numa_clone", mutates_args=())
+def _numa_clone_op(x: torch.Tensor, node: int) -> torch.Tensor:
+    """Graph-visible form of :func:`numa_clone` (non-strict)."""
+    return numa_clone(x, node)
+
+
+@_numa_clone_op.register_fake
+def _numa_clone_fake(x: torch.Tensor, node: int) -> torch.Tensor:
+    return x.new_empty(x.shape)  # contiguous, like the real result
