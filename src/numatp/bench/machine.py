@@ -1,0 +1,95 @@
+"""The machine a sweep runs on: the sockets numatp uses, the CPU's name, and whether a
+configuration's memory fits.
+
+Standard library only, so the benchmark child can call it before torch is imported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from numatp.topology import Topology
+
+__all__ = [
+    "COMPILE_OVERHEAD_BYTES",
+    "cpu_model",
+    "estimate_bytes",
+    "mem_available",
+    "ranks_from_dict",
+    "resolve_ranks",
+]
+
+COMPILE_OVERHEAD_BYTES = 3 << 30
+"""Resident memory of a compiling child beyond weights and activations: the interpreter, torch and
+transformers (~1 GiB), and Inductor's compile workers and generated code (~2 GiB, measured peaks)."""
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def resolve_ranks(sockets: int | None, machine: Topology) -> Topology:
+    """The topology numatp runs on for ``--sockets`` on ``machine``.
+
+    None: the machine's sockets, or 2 virtual sockets where it has a single one. On a multi-socket
+    machine N <= its sockets keeps the first N; on a single-socket machine N virtual sockets split
+    its CPUs.
+    """
+    if machine.num_sockets >= 2:
+        if sockets is None or sockets == machine.num_sockets:
+            return machine
+        if 1 <= sockets < machine.num_sockets:
+            return dataclasses.replace(machine, sockets=machine.sockets[:sockets])
+        raise ValueError(
+            f"--sockets {sockets}: this machine has {machine.num_sockets} sockets (NUMA nodes with CPUs "
+            f"this process may use), and numatp uses at most that many; pass --sockets 1 to "
+            f"{machine.num_sockets}, or leave it out"
+        )
+    # One node: split its CPUs. Topology.virtual names the limit (one CPU per socket) when it fails.
+    return Topology.virtual(sockets=2 if sockets is None else sockets, cpus=machine.allowed_cpus)
+
+
+def ranks_from_dict(data: Mapping[str, Any], machine: Topology) -> Topology:
+    """Rebuild in the child the ranks topology the parent resolved (``Topology.to_dict`` form)."""
+    if data["is_virtual"]:
+        return Topology.virtual(sockets=len(data["sockets"]), cpus=data["allowed_cpus"])
+    return resolve_ranks(len(data["sockets"]), machine)
+
+
+def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The ``model name`` of the first CPU in /proc/cpuinfo, or ``"unknown"`` where there is none
+    (some ARM kernels)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return "unknown"
+    match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    return match.group(1).strip() if match else "unknown"
+
+
+def mem_available(meminfo: str | Path = "/proc/meminfo") -> int:
+    """``MemAvailable`` in bytes: what the kernel can hand out without swapping."""
+    match = re.search(r"^MemAvailable:\s*(\d+) kB$", Path(meminfo).read_text(), re.MULTILINE)
+    if match is None:
+        raise ValueError(f"{meminfo} has no MemAvailable line (kernel older than 3.14?); pass --no-memory-guard")
+    return int(match.group(1)) * 1024
+
+
+def estimate_bytes(shape: Mapping[str, Any], *, batch: int, seq: int, dtype: str, mode: str) -> int:
+    """Peak resident bytes of one benchmark child, deliberately on the high side.
+
+    ``shape`` is ``numatp.zoo.describe(model)``. Weights count twice for numatp modes (the eager
+    model plus the per-socket shards). Activations: the logits (batch, seq, vocab), which dominate
+    at GPT-2's 50k vocabulary, plus two layers' worth of live intermediates, each holding
+    (batch, seq, 4 x hidden + intermediate) and one (batch, heads, seq, seq) score matrix.
+    """
+    width = _DTYPE_BYTES[dtype]
+    copies = 2 if mode.startswith("numatp") else 1
+    weights = shape["parameters"] * width * copies
+    tokens = batch * seq
+    logits = tokens * shape["vocab"] * 4  # at 4 bytes whatever the dtype: heads may upcast to float32
+    layer = tokens * (4 * shape["hidden"] + shape["intermediate"]) * width
+    scores = batch * shape["heads"] * seq * seq * width
+    return weights + logits + 2 * (layer + scores) + COMPILE_OVERHEAD_BYTES

@@ -1,0 +1,119 @@
+"""What one benchmark measurement is: a frozen ``Config`` per (model, batch, seq, dtype, mode), and
+the sweep that expands option lists into them.
+
+Plain data and the standard library only: the benchmark child imports this module before torch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = [
+    "DTYPES",
+    "MODES",
+    "NUMATP_MODES",
+    "PAPER_MODELS",
+    "PROCESS_POLICY_MODES",
+    "QUICK",
+    "Config",
+    "expand",
+]
+
+NUMATP_MODES: tuple[str, ...] = ("numatp", "numatp-auto")
+"""Modes compiled by ``numatp.compile`` (policy "always" and "auto")."""
+
+PROCESS_POLICY_MODES: tuple[str, ...] = ("interleave", "localalloc", "single-socket")
+"""Modes that run the baseline under a process-level NUMA policy (the rows of the paper's Table IV)."""
+
+MODES: tuple[str, ...] = ("baseline", *NUMATP_MODES, *PROCESS_POLICY_MODES)
+"""Every mode, baseline first: speedups are taken against ``baseline`` (torch.compile, default backend)."""
+
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+PAPER_MODELS: tuple[str, ...] = ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m")
+"""The six models of the paper's evaluation (Table III), as zoo presets."""
+
+QUICK: Mapping[str, Any] = {
+    "models": ("gpt2",),
+    "batches": (1,),
+    "seqs": (128, 256),
+    "dtypes": ("float32",),
+    "modes": ("baseline", *NUMATP_MODES),
+    "warmup": 3,
+    "iters": 10,
+}
+"""The ``--quick`` sweep: six child processes, a few minutes on a 2-core machine."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measurement, run in its own process."""
+
+    model: str
+    """Zoo preset name or local checkpoint folder."""
+    batch: int
+    """Batch size of the prefill inputs."""
+    seq: int
+    """Sequence length of the prefill inputs."""
+    dtype: str
+    """``"float32"`` or ``"bfloat16"``: the dtype of weights and activations."""
+    mode: str
+    """One of ``MODES``."""
+    sockets: int
+    """Sockets (ranks) numatp uses; also fixes which CPUs ``single-socket`` keeps (socket 0's)."""
+    warmup: int = 10
+    """Untimed calls after the compiling first call."""
+    iters: int = 50
+    """Timed calls."""
+    tiny: bool = False
+    """Use the zoo's shrunken twin of the preset (tests)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}; pick one of those")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}; pick one of those")
+        for name in ("batch", "seq", "sockets", "iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least 1; pass a positive {name}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup={self.warmup} must be 0 or more; pass --warmup 0 to skip warm-up")
+
+    @property
+    def key(self) -> str:
+        """Identity for resuming: two runs with the same key measure the same thing the same way."""
+        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Config:
+        """The config named by the fields of a results line (other keys are ignored)."""
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def expand(
+    *,
+    models: Iterable[str],
+    batches: Iterable[int],
+    seqs: Iterable[int],
+    dtypes: Iterable[str],
+    modes: Iterable[str],
+    sockets: int,
+    warmup: int = 10,
+    iters: int = 50,
+    tiny: bool = False,
+) -> list[Config]:
+    """Every combination, ordered model, dtype, batch, seq, then mode, so each configuration's
+    modes run back to back and a partial sweep already gives complete speedup rows."""
+    modes = tuple(dict.fromkeys(modes))  # keep order, drop repeats
+    return [
+        Config(model=m, batch=b, seq=s, dtype=d, mode=mode, sockets=sockets, warmup=warmup, iters=iters, tiny=tiny)
+        for m, d, b, s, mode in itertools.product(
+            dict.fromkeys(models), dict.fromkeys(dtypes), dict.fromkeys(batches), dict.fromkeys(seqs), modes
+        )
+    ]
