@@ -1,0 +1,119 @@
+"""The report's PNG figures, after the paper: mean-time heatmaps over batch x sequence (Fig. 7),
+speedup bars per configuration (Fig. 8), and speedup against sequence length (Fig. 9).
+
+Importing this module imports matplotlib (the ``plot`` extra); ``numatp.bench.report`` imports it
+only when drawing. Figures are built as ``matplotlib.figure.Figure`` objects, not through pyplot,
+so no GUI backend and no global figure state are involved.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+
+from numatp.bench.report import Point
+
+__all__ = ["heatmaps", "scaling_plot", "speedup_bars"]
+
+_DPI = 120
+_HEATMAP_COLUMNS = 3  # panels per row: six modes make two rows, not one strip
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    return path
+
+
+def heatmaps(means: Mapping[str, Mapping[Point, float]], out: Path) -> list[Path]:
+    """One PNG per (model, dtype): a heatmap per mode, batch sizes as rows and sequence lengths as
+    columns, each cell annotated with the mean seconds per call. The colour scale is logarithmic
+    and shared by the figure's panels, so modes compare by colour."""
+    groups = sorted({(p.model, p.dtype) for by_point in means.values() for p in by_point})
+    paths = []
+    for model, dtype in groups:
+        panels = [(m, {p: t for p, t in by_point.items() if (p.model, p.dtype) == (model, dtype)})
+                  for m, by_point in means.items()]
+        panels = [(m, cells) for m, cells in panels if cells]
+        batches = sorted({p.batch for _, cells in panels for p in cells})
+        seqs = sorted({p.seq for _, cells in panels for p in cells})
+        values = [t for _, cells in panels for t in cells.values()]
+        norm = LogNorm(vmin=min(values), vmax=max(values) * (1.0001 if min(values) == max(values) else 1))
+        cols = min(len(panels), _HEATMAP_COLUMNS)
+        rows = math.ceil(len(panels) / cols)
+        fig = Figure(figsize=(1.5 + 0.9 * len(seqs) * cols, 0.6 + (0.9 + 0.5 * len(batches)) * rows), layout="constrained")
+        axes = list(fig.subplots(rows, cols, squeeze=False).flat)
+        for ax in axes[len(panels):]:
+            ax.set_visible(False)
+        for ax, (mode, cells) in zip(axes, panels):
+            grid = np.full((len(batches), len(seqs)), np.nan)
+            for p, t in cells.items():
+                grid[batches.index(p.batch), seqs.index(p.seq)] = t
+            image = ax.imshow(np.ma.masked_invalid(grid), norm=norm, cmap="viridis", aspect="auto")
+            for (i, j), t in np.ndenumerate(grid):
+                if not math.isnan(t):
+                    ax.text(j, i, f"{t:.3g}", ha="center", va="center", fontsize=8,
+                            color="white" if norm(t) < 0.5 else "black")
+            ax.set_title(mode)
+            ax.set_xticks(range(len(seqs)), [str(s) for s in seqs])
+            ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+            ax.set_xlabel("sequence length")
+            ax.set_ylabel("batch size")
+        fig.colorbar(image, ax=axes[: len(panels)], label="mean prefill time (s)")
+        fig.suptitle(f"{model} {dtype}: mean prefill time per call")
+        paths.append(_save(fig, out / f"heatmap-{_slug(model)}-{_slug(dtype)}.png"))
+    return paths
+
+
+def speedup_bars(speedups: Mapping[str, Mapping[Point, float]], out: Path) -> list[Path]:
+    """One PNG with a panel per (model, dtype): a group of bars per (batch, seq), one bar per mode,
+    and a dashed line at parity."""
+    groups = sorted({(p.model, p.dtype) for s in speedups.values() for p in s})
+    if not groups:
+        return []
+    modes = [m for m, s in speedups.items() if s]
+    fig = Figure(figsize=(10, 2.6 * len(groups)), layout="constrained")
+    axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
+    width = 0.8 / len(modes)
+    for ax, (model, dtype) in zip(axes, groups):
+        points = sorted({p for s in speedups.values() for p in s if (p.model, p.dtype) == (model, dtype)})
+        for k, mode in enumerate(modes):
+            heights = [speedups[mode].get(p, np.nan) for p in points]
+            ax.bar(np.arange(len(points)) + (k - (len(modes) - 1) / 2) * width, heights, width, label=mode)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(points)), [f"b{p.batch}\ns{p.seq}" for p in points], fontsize=8)
+        ax.set_ylabel("speedup over baseline")
+        ax.set_title(f"{model} {dtype}")
+    axes[0].legend(ncols=min(len(modes), 5), fontsize=8, loc="upper left")
+    return [_save(fig, out / "speedup.png")]
+
+
+def scaling_plot(series: Mapping[str, Mapping[int, float]], out: Path) -> list[Path]:
+    """One PNG: geometric-mean speedup against sequence length per mode, parity dashed, the region
+    above parity shaded."""
+    if not series:
+        return []
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    for mode, by_seq in series.items():
+        ax.plot(list(by_seq), list(by_seq.values()), marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    seqs = sorted({s for by_seq in series.values() for s in by_seq})
+    ax.set_xticks(seqs, [str(s) for s in seqs])
+    top = max(max(v.values()) for v in series.values()) * 1.1
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    ax.axhspan(1.0, max(top, 1.1), color="tab:green", alpha=0.08)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("geo-mean speedup over baseline")
+    ax.set_title("Speedup vs sequence length (all models and batches)")
+    ax.legend(fontsize=8)
+    return [_save(fig, out / "scaling.png")]

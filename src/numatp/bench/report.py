@@ -1,0 +1,194 @@
+"""From results lines to the paper's tables: mean times per configuration, speedups over the
+baseline, the Table IV policy summary, the Fig. 9 scaling series, and ``summary.md`` beside the
+PNG figures (drawn by ``numatp.bench.plots`` when matplotlib is installed).
+
+A configuration is a point (model, dtype, batch, seq); when a point was measured more than once in
+a mode, its latest ``"ok"`` line counts.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from numatp.bench.spec import MODES
+from numatp.bench.sweep import read_results
+
+__all__ = ["Point", "PolicyRow", "mean_times", "policy_table", "scaling", "speedups", "write_report"]
+
+SUMMARY = "summary.md"
+_PLOT_HINT = "pip install 'numatp[plot]'"
+
+
+class Point(NamedTuple):
+    """One configuration of the sweep; ``model`` is the label the figures show."""
+
+    model: str
+    dtype: str
+    batch: int
+    seq: int
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    """One row of Table IV: a mode's speedups over the baseline, over the points both measured."""
+
+    mode: str
+    geomean: float
+    median: float
+    worse: int
+    """Points where the mode was slower than the baseline (speedup < 1)."""
+    count: int
+
+
+def _label(record: Mapping[str, Any]) -> str:
+    name = Path(record["model"]).name or record["model"]  # a checkpoint folder shows its last part
+    return f"{name} (tiny)" if record.get("tiny") else name
+
+
+def _ok(records: Iterable[Mapping[str, Any]]) -> dict[tuple[str, Point], Mapping[str, Any]]:
+    latest: dict[tuple[str, Point], Mapping[str, Any]] = {}
+    for r in records:
+        if r.get("status") == "ok":
+            latest[(r["mode"], Point(_label(r), r["dtype"], r["batch"], r["seq"]))] = r
+    return latest
+
+
+def _mode_order(modes: Iterable[str]) -> list[str]:
+    return sorted(set(modes), key=lambda m: (MODES.index(m) if m in MODES else len(MODES), m))
+
+
+def mean_times(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, float]]:
+    """Mean seconds per call, by mode then point."""
+    table: dict[str, dict[Point, float]] = {}
+    for (mode, point), r in _ok(records).items():
+        table.setdefault(mode, {})[point] = r["timing"]["mean_s"]
+    return {m: dict(sorted(table[m].items())) for m in _mode_order(table)}
+
+
+def speedups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, float]]:
+    """Baseline mean over mode mean, by mode then point, for the points both measured."""
+    means = mean_times(records)
+    base = means.get("baseline", {})
+    return {
+        mode: {p: base[p] / t for p, t in by_point.items() if p in base}
+        for mode, by_point in means.items()
+        if mode != "baseline"
+    }
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(v) for v in values))
+
+
+def policy_table(records: Iterable[Mapping[str, Any]]) -> list[PolicyRow]:
+    """Table IV: per mode, geometric mean and median speedup, points slower than the baseline, and
+    how many points were compared. Modes without a common point are left out."""
+    return [
+        PolicyRow(mode, _geomean(list(s.values())), statistics.median(s.values()),
+                  sum(v < 1.0 for v in s.values()), len(s))
+        for mode, s in speedups(records).items()
+        if s
+    ]
+
+
+def scaling(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, float]]:
+    """Fig. 9: per mode, the geometric mean speedup over all models, dtypes and batches at each
+    sequence length."""
+    series: dict[str, dict[int, float]] = {}
+    for mode, s in speedups(records).items():
+        by_seq: dict[int, list[float]] = {}
+        for point, value in s.items():
+            by_seq.setdefault(point.seq, []).append(value)
+        if by_seq:
+            series[mode] = {seq: _geomean(v) for seq, v in sorted(by_seq.items())}
+    return series
+
+
+def _nodes(records: Iterable[Mapping[str, Any]]) -> int:
+    return max((len(r["topology"]["nodes"]) for r in records if "topology" in r), default=0)
+
+
+def _machine_lines(records: list[Mapping[str, Any]]) -> list[str]:
+    first = next((r for r in records if r.get("status") == "ok"), records[0] if records else None)
+    if first is None:
+        return ["No results yet."]
+    ranks = first.get("ranks", {})
+    sockets = len(ranks.get("sockets", []))
+    kind = "virtual sockets on one node" if ranks.get("is_virtual") else "sockets"
+    versions = ", ".join(f"{k} {v}" for k, v in first.get("versions", {}).items())
+    mechanisms = sorted({r["policy"]["mechanism"] for r in records if r.get("policy", {}).get("mechanism") not in (None, "none")})
+    counts = {s: sum(r.get("status") == s for r in records) for s in ("ok", "skipped", "error")}
+    return [
+        f"- CPU: {first.get('host', {}).get('cpu_model', 'unknown')}; {_nodes(records)} NUMA node(s); "
+        f"numatp ran on {sockets} {kind}",
+        f"- Versions: {versions}",
+        f"- Process policies applied by: {', '.join(mechanisms) or 'no policy mode measured'}",
+        f"- Lines: {counts['ok']} ok, {counts['skipped']} skipped, {counts['error']} errors",
+    ]
+
+
+def _markdown(records: list[Mapping[str, Any]], images: list[Path], plot_note: str | None) -> str:
+    lines = ["# numatp bench summary", "", *_machine_lines(records), ""]
+    rows = policy_table(records)
+    lines += ["## Speedup over baseline by mode (Table IV)", ""]
+    if rows:
+        lines += ["| Mode | Geo. mean | Median | Worse than baseline | Configurations |", "|---|---|---|---|---|"]
+        lines += [f"| {r.mode} | {r.geomean:.2f}x | {r.median:.2f}x | {r.worse}/{r.count} | {r.count} |" for r in rows]
+    else:
+        lines.append("No configuration has both a baseline and another mode measured.")
+    ok = _ok(records)
+    cvs: dict[str, list[float]] = {}
+    for (mode, _), r in ok.items():
+        cvs.setdefault(mode, []).append(r["timing"]["cv"])
+    lines += ["", "## Coefficient of variation of the timed calls", "", "| Mode | Mean | Max |", "|---|---|---|"]
+    lines += [f"| {m} | {100 * statistics.fmean(cvs[m]):.2f}% | {100 * max(cvs[m]):.2f}% |" for m in _mode_order(cvs)]
+    means = mean_times(records)
+    modes = list(means)
+    points = sorted({p for by_point in means.values() for p in by_point})
+    lines += ["", "## Mean prefill time per call (ms)", "",
+              "| Model | dtype | Batch | Seq | " + " | ".join(modes) + " |", "|---|---|---|---|" + "---|" * len(modes)]
+    for p in points:
+        cells = [f"{1e3 * means[m][p]:.2f}" if p in means[m] else "-" for m in modes]
+        lines.append(f"| {p.model} | {p.dtype} | {p.batch} | {p.seq} | " + " | ".join(cells) + " |")
+    lines += ["", "## Figures", ""]
+    lines += [f"![{image.stem}]({image.name})" for image in images] or [plot_note or "No figures."]
+    problems = [r for r in records if r.get("status") in ("skipped", "error")]
+    if problems:
+        lines += ["", "## Skipped and failed", ""]
+        lines += [f"- {r['status']}: {_label(r)} {r['dtype']} b{r['batch']} s{r['seq']} {r['mode']}: {r.get('reason', '')}"
+                  for r in problems]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(results: str | Path, out_dir: str | Path | None = None) -> list[Path]:
+    """Write the figures and ``summary.md`` for ``results`` (a results.jsonl or its folder) into
+    ``out_dir`` (default: the results folder). Returns the files written, summary.md last.
+
+    Without matplotlib only summary.md is written, and it says how to get the figures.
+    """
+    results = Path(results)
+    folder = results if results.is_dir() else results.parent
+    out = Path(out_dir) if out_dir is not None else folder
+    out.mkdir(parents=True, exist_ok=True)
+    records = read_results(results)
+    images: list[Path] = []
+    plot_note = None
+    try:
+        from numatp.bench import plots
+    except ImportError as e:
+        if not (e.name or "").startswith("matplotlib"):
+            raise
+        plot_note = f"Figures were not drawn: matplotlib is not installed. Run `{_PLOT_HINT}`, then `numatp report {folder}`."
+    else:
+        images += plots.heatmaps(mean_times(records), out)
+        images += plots.speedup_bars(speedups(records), out)
+        if _nodes(records) > 2:
+            images += plots.scaling_plot(scaling(records), out)
+    summary = out / SUMMARY
+    summary.write_text(_markdown(records, images, plot_note))
+    return [*images, summary]
