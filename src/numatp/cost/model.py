@@ -1,0 +1,149 @@
+"""Roofline cost model of one block under three execution choices.
+
+Choices (``CHOICES``):
+
+- ``"sharded"``: NUMA-TP. Each of the N sockets holds 1/N of the block's weights in its own DRAM and
+  runs 1/N of the work on its own cores; the block closes with one N-way all-reduce of the
+  (batch, seq, hidden) output.
+- ``"unsharded"``: the paper's NUMA-oblivious baseline on all N x cores cores. Weights are
+  first-touched by the loading thread, so all of them sit on node 0; activations are touched by
+  whichever pool thread writes them first, so they are spread evenly over the nodes.
+- ``"one-socket"``: everything local to one socket, on that socket's cores only.
+
+Modelling assumptions, each with its reason:
+
+1. A block is a sequence of stages (each projection GEMM; for attention also the QK^T/softmax/PV
+   core); a stage takes ``max(compute time, memory time)`` (roofline: the cores overlap arithmetic
+   with outstanding misses), and stages do not overlap each other (each is a kernel launch that
+   ends in a join).
+2. Compute time is the stage's FLOPs over the sockets' GEMM rate, taken from the profile at the
+   per-core size of the stage, because small GEMMs run below the large-GEMM rate.
+3. DRAM traffic of a stage is its compulsory traffic (weights once, inputs and outputs once) when the
+   bytes one socket touches fit in its L3; otherwise the GEMM code re-reads both operand panels once
+   per output tile, ``flops / (tile / itemsize)`` bytes, half weight and half activation (square
+   tiles re-read both operands equally). This is the "weights that fit in L3 behave differently"
+   effect: sharding divides the per-socket working set by N and can bring it under the L3.
+4. The unsharded baseline touches all weight columns from every socket (the oblivious pool hands
+   tiles of every column panel to every socket), so its per-socket working set is the full weight.
+5. Unsharded memory time is the larger of (a) a non-zero socket's time, which reads its 1/N share
+   of weight traffic remotely from node 0 and (N-1)/N of its activation traffic remotely, and (b)
+   node 0's controller serving all weight traffic. In (a) local and remote times add rather than
+   overlap: the paper observes cores stalling on QPI fetches (latency-bound misses), not a saturated
+   link running beside busy local channels.
+6. Sharded memory time is one socket's 1/N of the traffic at local bandwidth; the input activation
+   and the (replicated, paper Algorithm 3) normalisation are read in full on every socket.
+7. Sharded blocks pay, per kernel launch, one join of the socket groups (``barrier_us``) and, per
+   attention/MLP block, the all-reduce of (batch, seq, hidden) at ``allreduce_ns_per_byte``; the LM
+   head (column-parallel, no reduction) instead gathers its logits from the other sockets at remote
+   bandwidth.
+8. Where the profile has no remote bandwidth (a single-node machine), remote reads cost the same as
+   local ones: there is no locality to win, so sharding only adds synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from numatp.cost.profile import MachineProfile
+from numatp.cost.shapes import BlockShape
+
+__all__ = ["CHOICES", "StageTime", "block_stages", "predict"]
+
+CHOICES: tuple[str, ...] = ("sharded", "unsharded", "one-socket")
+
+# Kernel launches per block in the NUMA-TP path, each ending in a join of the socket groups:
+# attention = fused QKV projection, QK^T, softmax, PV, output projection; MLP = up (+activation),
+# down; LM head = one projection. One more join closes the all-reduce.
+_LAUNCHES = {"attention": 5, "mlp": 2, "lm_head": 1}
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage of a block: its FLOPs and DRAM bytes split by what they belong to."""
+
+    name: str
+    flops: float
+    weight_bytes: float
+    act_bytes: float
+    per_socket_bytes: float
+    """Bytes one socket touches when the stage is sharded (decides whether it fits in L3)."""
+    column_parallel: bool
+
+
+def block_stages(block: BlockShape, sockets: int) -> list[StageTime]:
+    """The stages of ``block`` with compulsory bytes; re-read traffic is added per choice in predict."""
+    t, e = block.tokens, block.itemsize
+    stages = []
+    for i, (k, n, col) in enumerate(block.gemms()):
+        w, a = k * n * e, t * (k + n) * e
+        stages.append(StageTime(f"gemm{i}", 2.0 * t * k * n, w, a, (w + a) / sockets, col))
+    if block.kind == "attention":
+        scores = block.batch * block.heads * block.seq * block.seq * e  # (B, heads, S, S)
+        # The unfused path writes the scores, softmax reads and writes them, PV reads them: 4 passes.
+        act = 4 * scores + t * (block.inner + 2 * block.kv_inner + block.inner) * e
+        flops = 4.0 * block.batch * block.heads * block.seq * block.seq * block.head_dim
+        stages.append(StageTime("core", flops, 0.0, act, act / sockets, True))
+    # Normalisation (read, write) and residual add on (B, S, hidden); replicated when sharded.
+    stages.append(StageTime("norm", 0.0, 0.0, 3.0 * t * block.hidden * e, 3.0 * t * block.hidden * e, False))
+    return stages
+
+
+def _traffic(stage: StageTime, block: BlockShape, profile: MachineProfile, per_socket: float) -> tuple[float, float]:
+    """(weight, activation) DRAM bytes of the whole stage, re-reads included when it overflows L3."""
+    if stage.flops == 0.0 or per_socket <= profile.l3_mib * _MIB:
+        return stage.weight_bytes, stage.act_bytes
+    reread = stage.flops / (profile.gemm_tile / block.itemsize)
+    if stage.weight_bytes == 0.0:  # attention core: both operands are activations
+        return 0.0, max(stage.act_bytes, reread)
+    return max(stage.weight_bytes, reread / 2), max(stage.act_bytes, reread / 2)
+
+
+def _compute(stage: StageTime, block: BlockShape, profile: MachineProfile, sockets: int) -> float:
+    if stage.flops == 0.0:
+        return 0.0
+    rate = profile.gemm_gflops(block.dtype, stage.flops / sockets, profile.cores_per_socket)
+    return stage.flops / (sockets * rate * 1e9)
+
+
+def predict(block: BlockShape, profile: MachineProfile, choice: str, *, sockets: int | None = None) -> float:
+    """Predicted seconds of ``block`` under ``choice`` on ``sockets`` (default: all of the profile's)."""
+    if choice not in CHOICES:
+        raise ValueError(f"choice {choice!r} is not modelled; use one of {', '.join(CHOICES)}")
+    n = profile.sockets if sockets is None else sockets
+    if not 1 <= n <= profile.sockets:
+        raise ValueError(
+            f"sockets={n} is outside profile {profile.name!r}, which has {profile.sockets}; "
+            f"pass sockets from 1 to {profile.sockets}"
+        )
+    local = profile.local_bw_gbs * 1e9
+    remote = (profile.remote_bw_gbs or profile.local_bw_gbs) * 1e9
+    total = 0.0
+    for st in block_stages(block, n):
+        if choice == "sharded":
+            # Replicated stages (norm) run in full on every socket; the rest is split N ways.
+            split = n if st.flops or st.weight_bytes else 1
+            w, a = _traffic(st, block, profile, st.per_socket_bytes)
+            mem = (w + a) / split / local
+            comp = _compute(st, block, profile, n)
+        elif choice == "one-socket":
+            w, a = _traffic(st, block, profile, st.weight_bytes + st.act_bytes)
+            mem, comp = (w + a) / local, _compute(st, block, profile, 1)
+        else:
+            # Every socket touches all weight columns; activations are split over the sockets.
+            w, a = _traffic(st, block, profile, st.weight_bytes + st.act_bytes / n)
+            if n == 1:
+                mem = (w + a) / local
+            else:
+                far = (w / n + a / n * (n - 1) / n) / remote + (a / n / n) / local
+                node0 = (w + a / n) / local
+                mem = max(far, node0)
+            comp = _compute(st, block, profile, n)
+        total += max(mem, comp)
+    if choice == "sharded" and n > 1:
+        total += (_LAUNCHES[block.kind] + 1) * profile.barrier_us * 1e-6
+        if block.kind == "lm_head":
+            total += block.tokens * block.inner * block.itemsize * (n - 1) / n / remote
+        else:
+            total += block.tokens * block.hidden * block.itemsize * profile.allreduce_ns_per_byte * 1e-9
+    return total
