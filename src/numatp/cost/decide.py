@@ -1,0 +1,104 @@
+"""Choosing per block: the cost model's answers for the CLI and for the compiler's ``policy="auto"``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from numatp.cost.model import CHOICES, predict
+from numatp.cost.profile import MachineProfile, default_profile_path, load_profile
+from numatp.cost.shapes import BlockShape, blocks_for
+
+__all__ = ["Decision", "choose", "decide", "default_profile", "predict_model"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The choice for one block, the predicted seconds of every choice, and why."""
+
+    choice: str
+    """``"sharded"``, ``"unsharded"`` or ``"one-socket"``."""
+    times: dict[str, float]
+    """Predicted seconds per choice."""
+    reason: str
+    """One line: the margin and which profile the prediction came from."""
+
+
+def choose(block: BlockShape, profile: MachineProfile, *, sockets: int | None = None) -> tuple[str, dict[str, float]]:
+    """The fastest choice for ``block`` and the predicted seconds of each."""
+    times = {c: predict(block, profile, c, sockets=sockets) for c in CHOICES}
+    return min(times, key=times.__getitem__), times
+
+
+def predict_model(
+    preset: str | Mapping[str, Any], batch: int, seq: int, dtype: str, profile: MachineProfile
+) -> dict[str, float]:
+    """Predicted seconds of one prefill per choice, and ``speedup`` = unsharded / sharded.
+
+    "sharded" is the paper's NUMA-TP plan: attention and MLP blocks sharded, the LM head left as in
+    the baseline (the paper's passes cover attention, MLP and normalisation only).
+    """
+    blocks = blocks_for(preset, batch, seq, dtype)
+    out = {c: 0.0 for c in CHOICES}
+    for b in blocks:
+        times = {c: predict(b, profile, c) for c in CHOICES}
+        for c in CHOICES:
+            use = "unsharded" if c == "sharded" and b.kind == "lm_head" else c
+            out[c] += times[use]
+    out["speedup"] = out["unsharded"] / out["sharded"]
+    return out
+
+
+def _builtin_for(sockets: int) -> str:
+    return "haswell-ex-4s" if sockets >= 4 else "haswell-2s"
+
+
+def default_profile(topology: Any) -> tuple[MachineProfile, str]:
+    """This host's saved ``numatp calibrate`` profile if there is one, else a conservative estimate.
+
+    The estimate is the built-in Haswell profile with the topology's socket count (4-socket one for
+    4 or more sockets), which predicts the smallest gains; on a virtual topology (one memory node)
+    remote bandwidth is dropped, so sharding wins nothing but pays its synchronisation. Returns the
+    profile and a phrase saying which it is, for ``Decision.reason``.
+    """
+    path = default_profile_path()
+    if path.is_file():
+        return load_profile(path), f"calibrated profile {path}"
+    sockets = max(len(topology.sockets), 1)
+    base = load_profile(_builtin_for(sockets)).to_json()
+    base["name"] = f"estimate-{sockets}s"
+    base["sockets"] = sockets
+    if getattr(topology, "is_virtual", False) or len(getattr(topology, "nodes", ())) < 2:
+        base["remote_bw_gbs"] = None
+    return MachineProfile.from_json(base), (
+        f"built-in estimate from {_builtin_for(sockets)} (no calibrated profile at {path}; run numatp calibrate)"
+    )
+
+
+def decide(
+    blocks: Sequence[BlockShape], profile: MachineProfile | tuple[MachineProfile, str], sockets: int
+) -> list[Decision]:
+    """One ``Decision`` per block, between "sharded" on ``sockets`` sockets and "unsharded".
+
+    ``profile`` may be the pair ``default_profile`` returns, whose phrase then ends every reason.
+    "one-socket" is reported in ``times`` but not chosen: the compiler's plans shard or leave alone.
+    """
+    prof, origin = profile if isinstance(profile, tuple) else (profile, f"profile {profile.name}")
+    if not 1 <= sockets <= prof.sockets:
+        raise ValueError(
+            f"sockets={sockets} but profile {prof.name!r} describes {prof.sockets}; pass sockets from 1 to "
+            f"{prof.sockets} or a profile of this machine (numatp calibrate)"
+        )
+    out = []
+    for b in blocks:
+        times = {c: predict(b, prof, c, sockets=sockets) for c in CHOICES}
+        pick = "sharded" if sockets > 1 and times["sharded"] < times["unsharded"] else "unsharded"
+        ratio = times["unsharded"] / times["sharded"] if times["sharded"] > 0 else math.inf
+        why = (
+            f"{b.kind} at {b.batch}x{b.seq}: sharded over {sockets} sockets predicted {ratio:.2f}x the "
+            f"unsharded speed; {origin}"
+        )
+        out.append(Decision(pick, times, why))
+    return out
