@@ -1,0 +1,58 @@
+"""``numatp calibrate``: measure this machine's cost-model profile and save it as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from numatp.cost.profile import default_profile_path, save_profile
+
+__all__ = ["add_parser"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "calibrate",
+        help="measure GEMM rate, bandwidth, barrier and all-reduce cost; save a profile",
+        description="Measure per-socket GEMM throughput (fp32, bf16), local and remote DRAM bandwidth, "
+        "barrier latency and all-reduce cost with pinned threads and node-placed buffers, and save "
+        "them as a profile JSON for `numatp predict` and policy='auto'. About 1-3 minutes.",
+    )
+    parser.add_argument("--out", metavar="PATH", default=None,
+                        help=f"where to write the profile (default: {default_profile_path()})")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats: under a minute")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--sockets", type=int, metavar="N", default=None,
+                       help="use only the first N detected sockets")
+    group.add_argument("--virtual", type=int, metavar="N", default=None,
+                       help="measure a virtual N-socket topology (this process's CPUs split N ways)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from numatp.cost.calibrate import measure_profile  # imports torch: only when the command runs
+    from numatp.topology import Topology
+
+    try:
+        topo = Topology.virtual(sockets=args.virtual) if args.virtual is not None else Topology.detect()
+    except ValueError as e:
+        raise SystemExit(f"numatp calibrate: {e}") from e
+    if args.sockets is not None:
+        if not 1 <= args.sockets <= len(topo.sockets):
+            raise SystemExit(
+                f"numatp calibrate: --sockets {args.sockets} but this machine has {len(topo.sockets)} "
+                f"socket(s); pass 1 to {len(topo.sockets)}, or --virtual N to split the CPUs"
+            )
+        topo = type(topo)(topo.nodes, topo.sockets[: args.sockets], topo.allowed_cpus, topo.is_virtual, topo.notes)
+    start = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:5.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    profile = measure_profile(topo, quick=args.quick, progress=progress)
+    path = save_profile(profile, args.out or default_profile_path())
+    progress(f"saved {path}")
+    print(path)
+    return 0
