@@ -1,0 +1,181 @@
+"""One program per socket from the annotated graph: local shapes, local weights, explicit collectives.
+
+The program of socket r has the same structure as the global graph, with
+- each sharded parameter replaced by socket r's shard (a placeholder of local shape),
+- shape constants of views, expands, splits and slices rewritten to socket r's sizes,
+- ``numatp::all_reduce`` right after each row-parallel matmul, before its bias,
+- ``numatp::all_gather`` before each sharded value that leaves the program,
+- replicated values that meet sharded ones cut to socket r's indices.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from numatp.plan import ops  # noqa: F401  (registers numatp::all_reduce / all_gather)
+from numatp.plan.propagate import Shard
+from numatp.plan.roles import WeightMatmul, find_weight_matmuls
+from numatp.plan.schema import IndexSet, Placement, Replicate, Colwise, Rowwise
+from numatp.plan.tp_pass import replica_users
+from numatp.plan.trace import AtenGraph
+
+__all__ = ["Binding", "LocalProgram", "localize"]
+
+aten = torch.ops.aten
+numatp_ops = torch.ops.numatp
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where a local placeholder's value comes from: caller input ``index``, whole or as ``placement``."""
+
+    index: int
+    placement: Placement | None  # None: an activation input, passed through as is
+
+
+@dataclass
+class LocalProgram:
+    rank: int
+    gm: torch.fx.GraphModule
+    bindings: list[Binding]
+
+
+def _local_shape(node: torch.fx.Node, rank: int) -> list[int]:
+    shape = list(node.meta["val"].shape)
+    lay = node.meta["numatp"].layout
+    if isinstance(lay, Shard):
+        shape[lay.dim] = len(lay.sets[rank])
+    return shape
+
+
+def _cut(g: torch.fx.Graph, x: torch.fx.Node, dim: int, s: IndexSet) -> torch.fx.Node:
+    pieces = [g.call_function(aten.slice.Tensor, (x, dim, lo, hi)) for lo, hi in s.intervals]
+    return pieces[0] if len(pieces) == 1 else g.call_function(aten.cat.default, (pieces, dim))
+
+
+def localize(ag: AtenGraph, rank: int) -> LocalProgram:
+    """The program of socket ``rank`` (the graph must have been annotated by :func:`plan_graph`)."""
+    src = ag.gm.graph
+    placeholders = [n for n in src.nodes if n.op == "placeholder"]
+    params = {n for i, n in enumerate(placeholders) if ag.is_param[i]}
+    by_node = {m.node: m for m in find_weight_matmuls(ag.gm, params)}
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    bindings: list[Binding] = []
+    weights: dict[tuple[torch.fx.Node, str, int], torch.fx.Node] = {}
+
+    def weight(p: torch.fx.Node, placement: Placement) -> torch.fx.Node:
+        key = (p, type(placement).__name__, getattr(placement, "dim", -1))
+        if key not in weights:
+            idx = placeholders.index(p)
+            weights[key] = g.placeholder(f"{p.name}_{type(placement).__name__.lower()}")
+            bindings.append(Binding(idx, placement))
+        return weights[key]
+
+    # placeholders first: activations, then replicated weights, then shards (created below in order)
+    for i, p in enumerate(placeholders):
+        if p not in params:
+            env[p] = g.placeholder(p.name)
+            bindings.append(Binding(i, None))
+        elif replica_users(p, by_node):
+            env[p] = weight(p, Replicate())
+    for p in placeholders:
+        for u in p.users:
+            if u in by_node and u.meta["numatp"].role:
+                _shard_placeholders(u, by_node[u], weight)
+            for v in u.users if u.target in (aten.permute.default, aten.t.default) else ():
+                if v in by_node and v.meta["numatp"].role:
+                    _shard_placeholders(v, by_node[v], weight)
+    tag = 0
+    for node in src.nodes:
+        info = node.meta["numatp"]
+        if node.op == "placeholder" or node in env:
+            continue
+        if node.op == "output":
+            outs = []
+            for a in node.args[0]:
+                lay = a.meta["numatp"].layout if isinstance(a, torch.fx.Node) else None
+                if isinstance(lay, Shard):
+                    full = int(a.meta["val"].shape[lay.dim])
+                    gathered = g.call_function(numatp_ops.all_gather.default, (env[a], lay.dim, full, tag))
+                    gathered.meta["numatp_gather"] = lay.sets
+                    outs.append(gathered)
+                    tag += 1
+                else:
+                    outs.append(env[a] if isinstance(a, torch.fx.Node) else a)
+            g.output(tuple(outs))
+            continue
+        if info.role is not None:
+            m = by_node[node]
+            w = _shard_placeholders(node, m, weight)
+            for c in reversed(m.chain):
+                w = g.call_function(c.target, (w, *c.args[1:]))
+            x = env[m.x]
+            if info.role == "row":
+                out = g.call_function(aten.mm.default, (x, w))
+                out = g.call_function(numatp_ops.all_reduce.default, (out, tag))
+                tag += 1
+                if m.bias is not None:
+                    out = g.call_function(aten.add.Tensor, (out, weight(m.bias, Replicate())))
+            elif m.bias is not None:
+                out = g.call_function(aten.addmm.default, (w_bias := _col_bias(m, info, weight), x, w))
+            else:
+                out = g.call_function(aten.mm.default, (x, w))
+            env[node] = out
+            continue
+        if all(u.meta["numatp"].role for u in node.users) and node.users and node.target in (
+                aten.permute.default, aten.t.default) and node.args[0] in params:
+            continue  # a weight transpose only sharded matmuls read: they transpose their own shard
+        env[node] = _copy(g, node, env, rank)
+    g.lint()
+    return LocalProgram(rank, torch.fx.GraphModule(ag.gm, g), bindings)
+
+
+def _shard_placeholders(node, m: WeightMatmul, weight):
+    info = node.meta["numatp"]
+    if info.role == "row":
+        return weight(m.param, Rowwise(m.in_dim, info.slice_inputs["row_sets"].sets))
+    if m.bias is not None:
+        weight(m.bias, Colwise(0, info.layout.sets))
+    return weight(m.param, Colwise(m.out_dim, info.layout.sets))
+
+
+def _col_bias(m: WeightMatmul, info, weight):
+    return weight(m.bias, Colwise(0, info.layout.sets))
+
+
+def _copy(g: torch.fx.Graph, node: torch.fx.Node, env: dict, rank: int) -> torch.fx.Node:
+    info = node.meta["numatp"]
+
+    def arg(key, a):
+        if isinstance(a, torch.fx.Node):
+            new = env[a]
+            cut = info.slice_inputs.get(key)
+            return _cut(g, new, cut.dim, cut.sets[rank]) if cut is not None else new
+        if isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a):
+            return type(a)(arg((key, j), x) for j, x in enumerate(a))
+        return a
+
+    args = [arg(i, a) for i, a in enumerate(node.args)]
+    kwargs = {k: arg(k, v) for k, v in node.kwargs.items()}
+    x = node.args[0] if node.args else None
+    if info.local_shape:
+        args[1] = _local_shape(node, rank)
+    if info.split_dim is not None:
+        sizes = [len(p.sets[rank]) for p in info.layout]
+        return g.call_function(aten.split_with_sizes.default, (args[0], sizes, info.split_dim))
+    if info.slice_dim is not None:
+        lay = x.meta["numatp"].layout
+        full = x.meta["val"].shape[info.slice_dim]
+        start = node.args[2] if len(node.args) > 2 else 0
+        end = min(node.args[3] if len(node.args) > 3 else full, full)
+        lo, hi = lay.sets[rank].local_range(start % full if start < 0 else start, end)
+        args = [args[0], info.slice_dim, lo, hi]
+    new = g.call_function(node.target, tuple(args), kwargs) if node.op == "call_function" else \
+        g.node_copy(node, lambda n: env[n])
+    new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace",)})
+    return new

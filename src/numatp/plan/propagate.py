@@ -1,0 +1,271 @@
+"""Sharding propagation: the layout of every value of the graph, given the roles of the weight matmuls.
+
+A value is replicated (``None``: the same full tensor on every socket) or a :class:`Shard` (socket r
+holds the indices ``sets[r]`` of dimension ``dim``). Column matmuls create shards, row matmuls consume
+them and produce partial sums that are all-reduced at once, before the bias and before any post-norm.
+Between them, each op either carries the shard (pointwise ops, views, per-head attention, reductions over
+other dimensions) or raises :class:`Unsupported`, which makes the whole block run replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from numatp.plan.schema import IndexSet
+from numatp.plan.views import ViewError, map_shard_through_view
+
+__all__ = ["Shard", "NodeInfo", "Unsupported", "propagate", "ATTENTION_OPS"]
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
+    sets: tuple[IndexSet, ...]
+    block: int
+
+
+Layout = Shard | None | tuple
+
+
+@dataclass
+class NodeInfo:
+    """What the pass decided for one node (``node.meta["numatp"]``)."""
+
+    layout: Any = None
+    role: str | None = None          # "column", "row", "lm_head" for weight matmuls
+    block: int | None = None
+    local_shape: bool = False        # replace the shape argument with the socket-local output shape
+    split_dim: int | None = None     # split along the shard dim: rewrite to local split_with_sizes
+    slice_dim: int | None = None     # slice along the shard dim: rewrite start/end to local positions
+    slice_inputs: dict[Any, Shard] = field(default_factory=dict)  # replicated inputs to cut locally
+
+
+class Unsupported(Exception):
+    def __init__(self, block: int, reason: str):
+        super().__init__(reason)
+        self.block = block
+        self.reason = reason
+
+
+ATTENTION_OPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten.scaled_dot_product_attention.default,
+}
+_SAME = {aten.clone.default, aten.alias.default, prims.convert_element_type.default, aten._to_copy.default,
+         aten.lift_fresh_copy.default, aten.detach.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
+               aten.var_mean.correction, aten.var.correction, aten.std.correction, aten.logsumexp.default}
+_SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default}
+
+
+def _shape(n: Any) -> tuple[int, ...] | None:
+    v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _where(node: torch.fx.Node) -> str:
+    return f"{node.target} ({node.name})"
+
+
+def _align(layouts: list[tuple[Any, Any]], node: torch.fx.Node, info: NodeInfo) -> Shard:
+    """Common shard of an elementwise op's inputs, aligned to its output; full replicated inputs get cut."""
+    out_rank = len(_shape(node) or ())
+    shard: Shard | None = None
+    for key, arg in layouts:
+        lay = arg.meta["numatp"].layout
+        if isinstance(lay, Shard):
+            d = lay.dim + out_rank - len(_shape(arg))
+            cand = Shard(d, lay.sets, lay.block)
+            if shard is not None and (shard.dim, shard.sets) != (cand.dim, cand.sets):
+                raise Unsupported(lay.block, f"{_where(node)} combines values sharded differently "
+                                             f"(dim {shard.dim} vs {cand.dim})")
+            shard = shard or cand
+    assert shard is not None
+    for key, arg in layouts:
+        if arg.meta["numatp"].layout is None:
+            shp = _shape(arg) or ()
+            d = shard.dim - (out_rank - len(shp))
+            if d >= 0 and shp[d] != 1:
+                info.slice_inputs[key] = Shard(d, shard.sets, shard.block)
+    return shard
+
+
+def _inputs(node: torch.fx.Node) -> list[tuple[Any, torch.fx.Node]]:
+    out: list[tuple[Any, torch.fx.Node]] = []
+    for i, a in enumerate(node.args):
+        if isinstance(a, torch.fx.Node) and _shape(a) is not None:
+            out.append((i, a))
+        elif isinstance(a, (list, tuple)):
+            out += [((i, j), x) for j, x in enumerate(a) if isinstance(x, torch.fx.Node) and _shape(x) is not None]
+    out += [(k, a) for k, a in node.kwargs.items() if isinstance(a, torch.fx.Node) and _shape(a) is not None]
+    return out
+
+
+def _rule(node: torch.fx.Node, info: NodeInfo) -> Layout:
+    t = node.target
+    if t is __import__("operator").getitem:
+        src = node.args[0].meta["numatp"].layout
+        return src[node.args[1]] if isinstance(src, tuple) else src
+    ins = _inputs(node)
+    sharded = [(k, a) for k, a in ins if isinstance(a.meta["numatp"].layout, Shard)]
+    if not sharded:
+        return None
+    x = node.args[0]
+    lay: Shard = x.meta["numatp"].layout if isinstance(x, torch.fx.Node) else sharded[0][1].meta["numatp"].layout
+    block = sharded[0][1].meta["numatp"].layout.block
+    if t in _VIEWS or t is aten.expand.default:
+        src, dst = _shape(x), _shape(node)
+        if t is aten.expand.default:
+            if src[lay.dim] != dst[lay.dim + len(dst) - len(src)]:
+                raise Unsupported(block, f"{_where(node)} broadcasts the sharded dimension")
+            info.local_shape = True
+            return Shard(lay.dim + len(dst) - len(src), lay.sets, block)
+        try:
+            d, sets = map_shard_through_view(src, dst, lay.dim, lay.sets)
+        except ViewError as e:
+            raise Unsupported(block, f"{_where(node)}: {e}") from e
+        info.local_shape = True
+        return Shard(d, sets, block)
+    if t in _SAME:
+        return lay
+    if t is aten.permute.default:
+        return Shard(list(node.args[1]).index(lay.dim), lay.sets, block)
+    if t is aten.t.default or t is aten.transpose.int:
+        a, b = (0, 1) if t is aten.t.default else (node.args[1] % len(_shape(x)), node.args[2] % len(_shape(x)))
+        d = b if lay.dim == a else a if lay.dim == b else lay.dim
+        return Shard(d, lay.sets, block)
+    if t is aten.unsqueeze.default:
+        u = node.args[1] % (len(_shape(x)) + 1)
+        return Shard(lay.dim + (u <= lay.dim), lay.sets, block)
+    if t in (aten.squeeze.dim, aten.squeeze.dims):
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else [node.args[1]]
+        removed = [d % len(_shape(x)) for d in dims if _shape(x)[d] == 1]
+        return Shard(lay.dim - sum(d < lay.dim for d in removed), lay.sets, block)
+    if t in (aten.split.Tensor, aten.split_with_sizes.default):
+        dim = (node.args[2] if len(node.args) > 2 else 0) % len(_shape(x))
+        if dim != lay.dim:
+            return tuple(lay for _ in node.meta["val"])
+        info.split_dim = dim
+        pieces, lo = [], 0
+        for v in node.meta["val"]:
+            hi = lo + v.shape[dim]
+            sets = tuple(s.clip(lo, hi) for s in lay.sets)
+            if any(len(s) == 0 for s in sets):
+                raise Unsupported(block, f"{_where(node)} leaves a socket without any of a split piece")
+            pieces.append(Shard(dim, sets, block))
+            lo = hi
+        return tuple(pieces)
+    if t is aten.slice.Tensor:
+        dim = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(x))
+        if dim != lay.dim:
+            return lay
+        start = node.args[2] if len(node.args) > 2 else 0
+        end = min(node.args[3] if len(node.args) > 3 else _shape(x)[dim], _shape(x)[dim])
+        if (node.args[4] if len(node.args) > 4 else 1) != 1:
+            raise Unsupported(block, f"{_where(node)} slices the sharded dimension with a step")
+        sets = tuple(s.clip(start, end) for s in lay.sets)
+        if any(len(s) == 0 for s in sets):
+            raise Unsupported(block, f"{_where(node)} leaves a socket with nothing of the sharded dimension")
+        info.slice_dim = dim
+        return Shard(dim, sets, block)
+    if t is aten.cat.default:
+        dim = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))
+        shard = _align(ins, node, info)
+        if shard.dim == dim:
+            raise Unsupported(block, f"{_where(node)} concatenates along the sharded dimension")
+        return shard
+    if t in _REDUCTIONS or t in _SOFTMAX:
+        rank = len(_shape(x))
+        dims = node.args[1] if len(node.args) > 1 else None
+        dims = list(range(rank)) if dims is None else [dims] if isinstance(dims, int) else list(dims)
+        dims = [d % rank for d in dims]
+        if lay.dim in dims:
+            raise Unsupported(block, f"{_where(node)} reduces over the sharded dimension {lay.dim} (e.g. a "
+                                     "norm over the features): the block is replicated")
+        keep = t in _SOFTMAX or node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 and
+                                                 isinstance(node.args[2], bool) else False)
+        d = lay.dim if keep else lay.dim - sum(x < lay.dim for x in dims)
+        out = Shard(d, lay.sets, block)
+        return tuple(out for _ in node.meta["val"]) if isinstance(node.meta["val"], (tuple, list)) else out
+    if t in ATTENTION_OPS:
+        return _attention(node, info, block)
+    if t is aten.bmm.default:
+        shard = _align(ins, node, info)
+        if shard.dim != 0:
+            raise Unsupported(block, f"{_where(node)} multiplies along the sharded dimension")
+        return shard
+    if hasattr(t, "tags") and torch.Tag.pointwise in t.tags or t is aten.where.self:
+        return _align(ins, node, info)
+    raise Unsupported(block, f"{_where(node)} has no sharding rule")
+
+
+def _attention(node: torch.fx.Node, info: NodeInfo, block: int) -> Layout:
+    q, k, v = node.args[:3]
+    lq = q.meta["numatp"].layout
+    if not isinstance(lq, Shard) or lq.dim != 1:
+        raise Unsupported(block, f"{_where(node)}: queries are not split by heads")
+    hq = _shape(q)[1]
+    for key, t in ((1, k), (2, v)):
+        lt = t.meta["numatp"].layout
+        if _shape(t)[1] != hq:
+            raise Unsupported(block, f"{_where(node)}: grouped K/V heads reach attention unexpanded")
+        if lt is None:
+            info.slice_inputs[key] = Shard(1, lq.sets, block)
+        elif (lt.dim, lt.sets) != (1, lq.sets):
+            raise Unsupported(block, f"{_where(node)}: K/V heads are split unlike the query heads")
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+    if isinstance(mask, torch.fx.Node):
+        lm = mask.meta["numatp"].layout
+        ms = _shape(mask)
+        if lm is None and len(ms) == 4 and ms[1] != 1:
+            info.slice_inputs["attn_mask" if "attn_mask" in node.kwargs else 3] = Shard(1, lq.sets, block)
+        elif isinstance(lm, Shard) and (lm.dim, lm.sets) != (1, lq.sets):
+            raise Unsupported(block, f"{_where(node)}: the mask is split unlike the heads")
+    val = node.meta["val"]
+    if isinstance(val, (tuple, list)):
+        return tuple(lq if isinstance(o, torch.Tensor) and o.dim() >= 2 and o.shape[1] == hq else None
+                     for o in val)
+    return lq
+
+
+def propagate(gm: torch.fx.GraphModule, column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]],
+              rows: dict[torch.fx.Node, int], lm_heads: set[torch.fx.Node]) -> None:
+    """Annotate every node with its :class:`NodeInfo`.
+
+    ``column_sets`` maps a column (or LM-head) matmul to ``(block, per-socket output sets)``; ``rows`` maps a
+    row matmul to its block. Raises :class:`Unsupported` naming the block that cannot be sharded.
+    """
+    for node in gm.graph.nodes:
+        info = NodeInfo()
+        node.meta["numatp"] = info
+        if node.op != "call_function":
+            continue
+        if node in column_sets:
+            block, sets = column_sets[node]
+            x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+            if x.meta["numatp"].layout is not None:
+                raise Unsupported(block, f"{_where(node)}: the input of a column projection is itself sharded")
+            info.role, info.block = ("lm_head" if node in lm_heads else "column"), block
+            info.layout = Shard(1, sets, block)
+        elif node in rows:
+            block = rows[node]
+            x = node.args[1] if node.target is aten.addmm.default else node.args[0]
+            lx = x.meta["numatp"].layout
+            if not isinstance(lx, Shard) or lx.dim != 1:
+                raise Unsupported(block, f"{_where(node)}: the input of the output projection is not split "
+                                         "along its features")
+            info.role, info.block = "row", block
+            info.layout = None
+            info.slice_inputs["row_sets"] = lx
+        else:
+            info.layout = _rule(node, info)

@@ -1,0 +1,166 @@
+"""Find the weight matmuls of an ATen graph and group them into blocks, by dataflow alone.
+
+A weight matmul is ``mm``/``addmm`` whose right operand is a parameter placeholder, possibly through a
+transpose (``nn.Linear`` stores ``(out, in)``, GPT-2's ``Conv1D`` stores ``(in, out)``). A block is a
+*row* matmul together with the *column* matmuls that its input depends on without crossing another
+weight matmul: attention (Q/K/V -> ... -> O) and MLP (up or gate/up -> ... -> down) both have this shape.
+Blocks are claimed in program order, so that the residual stream cannot pair one block's output
+projection with the next block's input projections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from numatp.plan.views import view_groups
+
+__all__ = ["WeightMatmul", "find_weight_matmuls", "find_blocks", "column_segments"]
+
+aten = torch.ops.aten
+_TRANSPOSES = {aten.permute.default, aten.t.default, aten.transpose.int}
+_SAME_DIM = {aten.clone.default, aten.alias.default, torch.ops.prims.convert_element_type.default,
+             aten._to_copy.default}
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
+@dataclass(frozen=True)
+class WeightMatmul:
+    """``node`` computes ``x @ W`` (plus ``bias`` for addmm); ``out_dim``/``in_dim`` are dims of the parameter."""
+
+    node: torch.fx.Node
+    param: torch.fx.Node
+    chain: tuple[torch.fx.Node, ...]
+    out_dim: int
+    in_dim: int
+    bias: torch.fx.Node | None
+
+    @property
+    def x(self) -> torch.fx.Node:
+        return self.node.args[1] if self.bias is not None else self.node.args[0]
+
+    @property
+    def out_features(self) -> int:
+        return int(self.param.meta["val"].shape[self.out_dim])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.param.meta["val"].shape[self.in_dim])
+
+
+def find_weight_matmuls(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> list[WeightMatmul]:
+    found = []
+    for node in gm.graph.nodes:
+        if node.target not in (aten.mm.default, aten.addmm.default):
+            continue
+        bias = node.args[0] if node.target is aten.addmm.default else None
+        w = node.args[2] if bias is not None else node.args[1]
+        chain = []
+        while isinstance(w, torch.fx.Node) and w.target in _TRANSPOSES:
+            chain.append(w)
+            w = w.args[0]
+        if not (isinstance(w, torch.fx.Node) and w in params and w.meta["val"].dim() == 2):
+            continue
+        if bias is not None and not (isinstance(bias, torch.fx.Node) and bias in params):
+            continue
+        transposed = len(chain) % 2 == 1
+        # mm(x, W^T) with W (out, in): out is dim 0; mm(x, W) with W (in, out): out is dim 1
+        found.append(WeightMatmul(node, w, tuple(chain), 0 if transposed else 1, 1 if transposed else 0, bias))
+    return found
+
+
+def _cone(start: torch.fx.Node, stops: dict[torch.fx.Node, WeightMatmul]) -> set[torch.fx.Node]:
+    """Weight matmuls reached walking back from ``start`` without passing through one."""
+    seen, hits, todo = set(), set(), [start]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in stops:
+            hits.add(n)
+            continue
+        todo.extend(a for a in n.all_input_nodes)
+    return hits
+
+
+def find_blocks(
+    matmuls: list[WeightMatmul], excluded: set[torch.fx.Node]
+) -> list[tuple[WeightMatmul, list[WeightMatmul]]]:
+    """(row, columns) pairs in program order; matmuls in ``excluded`` are never paired."""
+    by_node = {m.node: m for m in matmuls}
+    taken: set[torch.fx.Node] = set(excluded)
+    blocks = []
+    for row in matmuls:
+        if row.node in taken:
+            continue
+        cols = _cone(row.x, by_node)
+        if not cols or cols & taken:
+            continue
+        ordered = [m for m in matmuls if m.node in cols]
+        taken |= cols | {row.node}
+        blocks.append((row, ordered))
+    return blocks
+
+
+def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
+    """``(offset, length, unit)`` pieces of a column matmul's output features, from how its users read them.
+
+    A ``split`` along the features cuts a fused projection into pieces (GPT-2's c_attn: q, k, v); the first
+    view that splits the features (``(B, S, 768) -> (B, S, 12, 64)``) gives the unit a shard must respect
+    (a whole head). Pieces without such a view get unit 1.
+    """
+    out = mm.out_features
+    cuts: set[int] = {0, out}
+    units: list[tuple[int, int, int]] = []
+    todo = [(mm.node, 1, 0, out)]
+    seen = set()
+    while todo:
+        node, dim, offset, length = todo.pop()
+        if (node, dim, offset) in seen:
+            continue
+        seen.add((node, dim, offset))
+        shape = tuple(node.meta["val"].shape)
+        for user in node.users:
+            t = user.target
+            if t in _VIEWS:
+                dst = tuple(user.meta["val"].shape)
+                for gi, gj in view_groups(shape, dst):
+                    if dim in gi:
+                        if len(gj) == 1:
+                            todo.append((user, gj[0], offset, length))
+                        elif [d for d in gi if shape[d] != 1] == [dim]:
+                            # (.., heads*hd) -> (.., heads, hd): a shard must hold whole heads, even one head
+                            inner = 1
+                            for d in gj[1:]:
+                                inner *= dst[d]
+                            units.append((offset, length, inner))
+                        break
+            elif t in (aten.split.Tensor, aten.split_with_sizes.default):
+                sdim = user.args[2] if len(user.args) > 2 else 0
+                if sdim % len(shape) != dim:
+                    continue
+                sizes = ([user.args[1]] * ((shape[dim] + user.args[1] - 1) // user.args[1])
+                         if t is aten.split.Tensor else list(user.args[1]))
+                starts = [sum(sizes[:k]) for k in range(len(sizes))]
+                for s in starts:
+                    cuts.add(offset + s)
+                for g in user.users:
+                    k = g.args[1]
+                    todo.append((g, dim, offset + starts[k], sizes[k]))
+            elif t in _SAME_DIM or (hasattr(t, "tags") and torch.Tag.pointwise in t.tags):
+                if tuple(user.meta["val"].shape)[-len(shape):] == shape:
+                    todo.append((user, dim + user.meta["val"].dim() - len(shape), offset, length))
+            elif t in (aten.permute.default,):
+                todo.append((user, list(user.args[1]).index(dim), offset, length))
+    bounds = sorted(cuts)
+    pieces = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        unit = 1
+        for off, ln, u in units:
+            if off <= lo and hi <= off + ln:
+                unit = max(unit, u)
+        pieces.append((lo, hi - lo, unit))
+    return pieces

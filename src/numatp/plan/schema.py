@@ -1,0 +1,167 @@
+"""The NUMA partitioning schema: plain data that says how every weight and value is split over sockets.
+
+An :class:`IndexSet` is the ordered set of global indices one socket holds along one dimension, kept as
+half-open intervals: a fused QKV column shard for socket 0 of 2 in GPT-2 is
+``IndexSet(((0, 384), (768, 1152), (1536, 1920)))``. Shards may differ in size between sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "IndexSet", "even_split", "Colwise", "Rowwise", "Replicate", "Placement",
+    "Block", "WeightPlan", "Plan",
+]
+
+
+@dataclass(frozen=True)
+class IndexSet:
+    """Sorted, disjoint half-open intervals of global indices along one dimension."""
+
+    intervals: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted(i for i in self.intervals if i[1] > i[0]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+            else:
+                merged.append((lo, hi))
+        object.__setattr__(self, "intervals", tuple(merged))
+
+    @staticmethod
+    def range(lo: int, hi: int) -> IndexSet:
+        return IndexSet(((lo, hi),))
+
+    def __len__(self) -> int:
+        return sum(hi - lo for lo, hi in self.intervals)
+
+    def indices(self) -> list[int]:
+        return [i for lo, hi in self.intervals for i in range(lo, hi)]
+
+    def shifted(self, offset: int) -> IndexSet:
+        return IndexSet(tuple((lo + offset, hi + offset) for lo, hi in self.intervals))
+
+    def clip(self, lo: int, hi: int) -> IndexSet:
+        """The part inside ``[lo, hi)``, re-based so that ``lo`` becomes 0."""
+        return IndexSet(tuple((max(a, lo) - lo, min(b, hi) - lo) for a, b in self.intervals)).shifted(0)
+
+    def local_range(self, lo: int, hi: int) -> tuple[int, int]:
+        """Local positions ``[start, stop)`` of the global indices inside ``[lo, hi)``."""
+        start = count = 0
+        for a, b in self.intervals:
+            start += max(0, min(b, lo) - a)
+            count += max(0, min(b, hi) - max(a, lo))
+        return start, start + count
+
+    def __str__(self) -> str:
+        return ",".join(f"{lo}:{hi}" for lo, hi in self.intervals) or "-"
+
+
+def even_split(size: int, parts: int, unit: int = 1) -> tuple[IndexSet, ...]:
+    """Split ``range(size)`` into ``parts`` contiguous pieces of whole ``unit``s, sizes differing by at most one unit.
+
+    >>> [str(s) for s in even_split(20, 3)]
+    ['0:7', '7:14', '14:20']
+    """
+    units = size // unit
+    base, extra = divmod(units, parts)
+    out, lo = [], 0
+    for r in range(parts):
+        hi = lo + (base + (r < extra)) * unit
+        out.append(IndexSet.range(lo, hi))
+        lo = hi
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Split along the weight's output features (``dim`` of the parameter); ``splits[r]`` is socket r's share."""
+
+    dim: int
+    splits: tuple[IndexSet, ...]
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Split along the weight's input features: each socket produces a partial sum to be all-reduced."""
+
+    dim: int
+    splits: tuple[IndexSet, ...]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """A full copy on every socket."""
+
+
+Placement = Colwise | Rowwise | Replicate
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attention, MLP or LM-head block as the pass found it, and what it decided."""
+
+    kind: Literal["attention", "mlp", "lm_head"]
+    module: str
+    columns: tuple[str, ...]
+    row: str | None
+    sharded: bool
+    reason: str
+    replicated_columns: tuple[str, ...] = ()
+    shapes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """One parameter use: its name, global shape, dtype size and placement."""
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    placement: Placement
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    def local_bytes(self, rank: int) -> int:
+        if isinstance(self.placement, Replicate):
+            return self.nbytes
+        return self.nbytes // self.shape[self.placement.dim] * len(self.placement.splits[rank])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The partitioning schema of one graph for ``sockets`` sockets."""
+
+    sockets: int
+    blocks: tuple[Block, ...]
+    weights: dict[str, tuple[WeightPlan, ...]]
+    reductions: int
+    gathers: int
+
+    def socket_bytes(self, rank: int) -> int:
+        """Weight bytes socket ``rank`` holds; a parameter replicated for one use serves its other uses too."""
+        total = 0
+        for uses in self.weights.values():
+            if any(isinstance(u.placement, Replicate) for u in uses):
+                total += uses[0].nbytes
+            else:
+                total += sum(u.local_bytes(rank) for u in uses)
+        return total
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(uses[0].nbytes for uses in self.weights.values())
+
+    @property
+    def replicated_bytes(self) -> int:
+        return sum(
+            uses[0].nbytes for uses in self.weights.values() if any(isinstance(u.placement, Replicate) for u in uses)
+        )

@@ -1,0 +1,251 @@
+"""The NUMA-TP pass: decide per block how to shard, and produce the partitioning schema.
+
+Steps (each a function below): find weight matmuls -> pair them into blocks -> choose each column's
+per-socket output sets -> propagate layouts -> on an unsupported op, replicate that block and repeat ->
+record the schema. The graph is annotated in place (``node.meta["numatp"]``); :mod:`numatp.plan.localize`
+turns the annotated graph into one program per socket.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from numatp.plan.propagate import ATTENTION_OPS, Shard, Unsupported, propagate
+from numatp.plan.roles import WeightMatmul, column_segments, find_blocks, find_weight_matmuls
+from numatp.plan.schema import (Block, Colwise, IndexSet, Plan, Replicate, Rowwise, WeightPlan, even_split)
+from numatp.plan.trace import AtenGraph
+
+__all__ = ["plan_graph", "replica_users", "BlockCandidate", "Decider"]
+
+aten = torch.ops.aten
+_SOFTMAX = {aten._softmax.default, aten._safe_softmax.default}
+_TRANSPOSE_OPS = {aten.permute.default, aten.t.default, aten.transpose.int}
+
+
+@dataclass(frozen=True)
+class BlockCandidate:
+    """What a decider sees of a block before it is sharded."""
+
+    kind: str
+    module: str
+    tokens: int
+    hidden: int
+    inner: int
+    weight_bytes: int
+    itemsize: int
+
+
+Decider = Callable[[BlockCandidate, int], tuple[bool, str]]
+
+
+def _module(names: list[str]) -> str:
+    parts = [n.split(".")[:-1] for n in names]
+    common = os.path.commonprefix(parts) if parts else []
+    if len(parts) == 1:
+        return ".".join(parts[0])
+    return ".".join(common) or ", ".join(".".join(p) for p in parts)
+
+
+def _column_sets(col: WeightMatmul, sockets: int) -> tuple[IndexSet, ...] | None:
+    """Per-socket output sets of a column matmul, or None if a piece has fewer units than sockets."""
+    per_rank: list[list[tuple[int, int]]] = [[] for _ in range(sockets)]
+    for offset, length, unit in column_segments(col):
+        if unit == 1 and length % (16 * sockets) == 0:
+            unit = 16  # whole vector-register-sized groups keep the local GEMMs aligned
+        if length // unit < sockets:
+            return None
+        for r, s in enumerate(even_split(length, sockets, unit)):
+            per_rank[r] += s.shifted(offset).intervals
+    return tuple(IndexSet(tuple(iv)) for iv in per_rank)
+
+
+def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: Decider | None = None) -> Plan:
+    """Annotate ``ag.gm`` for ``sockets`` sockets and return the schema.
+
+    ``policy``: "always" shards every block the pass understands, "never" none, "auto" asks ``decide``.
+    """
+    if not isinstance(sockets, int) or sockets < 1:
+        raise ValueError(f"sockets={sockets!r}: the socket count must be an integer >= 1")
+    if policy not in ("always", "never", "auto"):
+        raise ValueError(f"policy={policy!r}: choose 'always', 'never' or 'auto'")
+    if policy == "auto" and decide is None:
+        raise ValueError("policy='auto' needs a decider (numatp.compile passes the cost model's)")
+    gm = ag.gm
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = {n: ag.names[i] for i, n in enumerate(placeholders)}
+    params = {n for i, n in enumerate(placeholders) if ag.is_param[i]}
+    matmuls = find_weight_matmuls(gm, params)
+    by_node = {m.node: m for m in matmuls}
+    excluded: set[torch.fx.Node] = set()
+    reasons: dict[torch.fx.Node, str] = {}   # row (or LM-head) node -> why it stays replicated
+    no_lm_head: set[torch.fx.Node] = set()
+    narrowed: set[torch.fx.Node] = set()   # rows whose block retries with only the widest columns split
+    while True:
+        blocks = find_blocks(matmuls, excluded) if policy != "never" else []
+        column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]] = {}
+        rows: dict[torch.fx.Node, int] = {}
+        members: list[tuple[WeightMatmul | None, list[WeightMatmul], list[WeightMatmul]]] = []
+        for row, cols in blocks:
+            bid = len(members)
+            sets = {c.node: _column_sets(c, sockets) for c in cols}
+            if row.node in narrowed:
+                # K/V heads that split unlike the query heads: replicate the narrower projections
+                widest = max(c.out_features for c in cols)
+                sets = {n: (v if by_node[n].out_features == widest else None) for n, v in sets.items()}
+            split = [c for c in cols if sets[c.node] is not None]
+            module = _module([names[m.param] for m in [*cols, row]])
+            if not split:
+                dims = ", ".join(f"{names[c.param]}: {c.out_features} outputs in pieces "
+                                 f"{[(o, n // u) for o, n, u in column_segments(c)]} (offset, units)" for c in cols)
+                raise ValueError(f"{module}: cannot split over {sockets} sockets ({dims}); pass fewer sockets "
+                                 "or policy='auto'")
+            if policy == "auto":
+                cand = _candidate(row, cols, module)
+                ok, why = decide(cand, sockets)
+                if not ok:
+                    excluded |= {row.node, *(c.node for c in cols)}
+                    reasons[row.node] = why
+                    continue
+            for c in split:
+                column_sets[c.node] = (bid, sets[c.node])
+            rows[row.node] = bid
+            members.append((row, split, [c for c in cols if sets[c.node] is None]))
+        lm_heads = set()
+        paired = {m.node for r, s, rep in members for m in [r, *s, *rep] if m is not None}
+        for m in matmuls:
+            if (m.node in paired or m.node in no_lm_head or policy == "never"
+                    or m.out_features < 2 * m.in_features or not _reaches_output(m.node)):
+                continue
+            sets = _column_sets(m, sockets)
+            if sets is None:
+                continue
+            column_sets[m.node] = (len(members), sets)
+            lm_heads.add(m.node)
+            members.append((None, [m], []))
+        try:
+            propagate(gm, column_sets, rows, lm_heads)
+            break
+        except Unsupported as e:
+            row, cols, _ = members[e.block]
+            if row is None:
+                no_lm_head.add(cols[0].node)
+                reasons[cols[0].node] = e.reason
+            elif row.node not in narrowed and len({c.out_features for c in cols}) > 1:
+                narrowed.add(row.node)
+            else:
+                excluded |= {row.node, *(c.node for c in cols)}
+                reasons[row.node] = e.reason
+    return _schema(gm, sockets, matmuls, members, reasons, names, params, by_node)
+
+
+def _reaches_output(node: torch.fx.Node) -> bool:
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n.op == "output":
+            return True
+        if n in seen or (n is not node and n.target in (aten.mm.default, aten.addmm.default)):
+            continue
+        seen.add(n)
+        todo.extend(n.users)
+    return False
+
+
+def _has_attention(row: WeightMatmul, cols: list[WeightMatmul]) -> bool:
+    stops = {c.node for c in cols}
+    todo, seen = [row.x], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stops:
+            continue
+        seen.add(n)
+        if n.target in ATTENTION_OPS or n.target in _SOFTMAX:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _candidate(row: WeightMatmul, cols: list[WeightMatmul], module: str) -> BlockCandidate:
+    ms = [row, *cols]
+    itemsize = row.param.meta["val"].element_size()
+    return BlockCandidate(
+        kind="attention" if _has_attention(row, cols) else "mlp", module=module,
+        tokens=int(row.x.meta["val"].shape[0]), hidden=row.out_features, inner=row.in_features,
+        weight_bytes=sum(m.param.meta["val"].numel() for m in ms) * itemsize, itemsize=itemsize,
+    )
+
+
+def replica_users(param: torch.fx.Node, by_node: dict[torch.fx.Node, WeightMatmul]) -> list[torch.fx.Node]:
+    """Users of a parameter that read it whole: everything but sharded matmuls and their transposes."""
+    def sharded_use(u: torch.fx.Node) -> bool:
+        if u in by_node and u.meta["numatp"].role:
+            return True
+        return u.target in _TRANSPOSE_OPS and all(sharded_use(v) for v in u.users)
+    return [u for u in param.users if not sharded_use(u)]
+
+
+def _schema(gm, sockets, matmuls, members, reasons, names, params, by_node) -> Plan:
+    kinds: dict[int, str] = {}
+    gathers = 0
+    for node in gm.graph.nodes:
+        info = node.meta["numatp"]
+        if node.target in ATTENTION_OPS or node.target in _SOFTMAX:
+            lay = [a.meta["numatp"].layout for a in node.all_input_nodes]
+            for l in lay:
+                if isinstance(l, Shard):
+                    kinds[l.block] = "attention"
+        if node.op == "output":
+            gathers = sum(isinstance(a.meta["numatp"].layout, Shard)
+                          for a in node.args[0] if isinstance(a, torch.fx.Node))
+    blocks = []
+    uses: dict[torch.fx.Node, list[WeightPlan]] = {p: [] for p in params}
+    in_block: set[torch.fx.Node] = set()
+    for bid, (row, split, rep) in enumerate(members):
+        ms = [m for m in [*split, *rep, row] if m is not None]
+        in_block |= {m.node for m in ms}
+        module = _module([names[m.param] for m in ms])
+        if row is None:
+            kind, reason = "lm_head", "column-parallel over the vocabulary, then gathered"
+        else:
+            kind = kinds.get(bid, "mlp")
+            reason = "column/row parallel" + (
+                f"; {', '.join(names[c.param] for c in rep)} replicated: too few heads to split" if rep else "")
+        blocks.append(Block(kind, module, tuple(names[c.param] for c in split),
+                            names[row.param] if row else None, True, reason,
+                            tuple(names[c.param] for c in rep)))
+    for node, why in reasons.items():
+        m = by_node[node]
+        blocks.append(Block("mlp" if m.out_features < 2 * m.in_features else "lm_head", _module([names[m.param]]),
+                            (), names[m.param], False, why))
+    for node in gm.graph.nodes:
+        info = node.meta["numatp"]
+        if info.role is None or node not in by_node:
+            continue
+        m = by_node[node]
+        if info.role in ("column", "lm_head"):
+            sets = info.layout.sets
+            uses[m.param].append(WeightPlan(names[m.param], _shape(m.param), _isz(m.param), Colwise(m.out_dim, sets)))
+            if m.bias is not None:
+                uses[m.bias].append(WeightPlan(names[m.bias], _shape(m.bias), _isz(m.bias), Colwise(0, sets)))
+        else:
+            sets = info.slice_inputs["row_sets"].sets
+            uses[m.param].append(WeightPlan(names[m.param], _shape(m.param), _isz(m.param), Rowwise(m.in_dim, sets)))
+    for p in params:
+        if replica_users(p, by_node) or not uses[p]:
+            uses[p].append(WeightPlan(names[p], _shape(p), _isz(p), Replicate()))
+    rows = sum(1 for n in gm.graph.nodes if n.meta["numatp"].role == "row")
+    blocks.sort(key=lambda b: b.module)
+    return Plan(sockets, tuple(blocks), {names[p]: tuple(u) for p, u in uses.items()}, rows, gathers)
+
+
+def _shape(n: torch.fx.Node) -> tuple[int, ...]:
+    return tuple(n.meta["val"].shape)
+
+
+def _isz(n: torch.fx.Node) -> int:
+    return n.meta["val"].element_size()

@@ -1,0 +1,71 @@
+"""From the Dynamo graph to the ATen-level inference graph the NUMA-TP pass works on.
+
+The graph is functionalised and decomposed with Inductor's own decomposition table, traced with fake
+tensors at the concrete input shapes (so every node has ``meta["val"]`` with its global shape), and
+keeps ``nn_module_stack`` for messages. Parameters stay placeholders.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch._inductor.decomposition import select_decomp_table
+
+__all__ = ["AtenGraph", "trace_aten", "parameter_name"]
+
+
+@dataclass
+class AtenGraph:
+    """An ATen graph, and for each placeholder whether it is a parameter and its readable name."""
+
+    gm: torch.fx.GraphModule
+    is_param: list[bool]
+    names: list[str]
+
+
+_DYNAMO_PARTS = re.compile(r"_(modules|parameters|buffers)_")
+
+
+def parameter_name(placeholder: str) -> str:
+    """Readable dotted name of a lifted Dynamo placeholder.
+
+    >>> parameter_name("l_self_modules_h_modules_0_modules_attn_modules_c_attn_parameters_weight_")
+    'h.0.attn.c_attn.weight'
+    """
+    name = placeholder.removeprefix("l_self_").removeprefix("L_self_").rstrip("_")
+    name = re.sub(r"^(l|L)__self___", "", name)
+    return _DYNAMO_PARTS.sub(".", "_" + name).lstrip("._")
+
+
+def trace_aten(
+    gm: torch.fx.GraphModule, example_inputs: list, names: dict[int, str] | None = None
+) -> AtenGraph:
+    """Trace ``gm`` at the shapes of ``example_inputs`` into a functional ATen inference graph.
+
+    ``names`` maps ``id(parameter)`` to its qualified name when the caller knows the module.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = torch._subclasses.FakeTensorMode(allow_non_fake_inputs=True)
+    fake_args = [fake_mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    with torch.no_grad(), fx_traceback.preserve_node_meta(), fake_mode:
+        traced = make_fx(
+            torch.func.functionalize(gm, remove="mutations"),
+            decomposition_table=select_decomp_table(),
+            tracing_mode="real",
+            pre_dispatch=False,
+        )(*fake_args)
+    is_param = [isinstance(a, torch.nn.Parameter) for a in example_inputs]
+    readable = []
+    for i, a in enumerate(example_inputs):
+        if names is not None and id(a) in names:
+            readable.append(names[id(a)])
+        elif i < len(placeholders):
+            readable.append(parameter_name(placeholders[i].name) if is_param[i] else placeholders[i].name)
+        else:
+            readable.append(f"input{i}")
+    return AtenGraph(gm=traced, is_param=is_param, names=readable)
