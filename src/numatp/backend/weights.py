@@ -1,0 +1,72 @@
+"""Weight shards in their sockets' memory, made once per compiled model and shared by all its graphs.
+
+On a real topology every shard and every replica is copied with ``numa_clone`` onto its socket's node
+(pages bound before first touch). On virtual sockets there is one memory node: replicas are the model's
+own tensors and shards are views where the split is one contiguous piece, so numatp adds no full copy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from numatp.placement import numa_clone, pages_by_node
+from numatp.plan.localize import Binding
+from numatp.plan.reference import shard_tensor
+from numatp.plan.schema import Replicate
+from numatp.topology import Topology
+
+__all__ = ["WeightStore"]
+
+
+class WeightStore:
+    def __init__(self, topology: Topology, *, strict: bool = False):
+        self.topology = topology
+        self.strict = strict
+        self._made: dict[tuple, torch.Tensor] = {}
+        self._keep: list[Any] = []   # the source tensors of the keys above stay alive while we use their id
+        self._warned = False
+
+    def local_args(self, bindings: list[Binding], inputs: list[Any], rank: int) -> list[Any]:
+        return [inputs[b.index] if b.placement is None else self.get(inputs[b.index], b, rank) for b in bindings]
+
+    def get(self, param: torch.Tensor, b: Binding, rank: int) -> torch.Tensor:
+        p = b.placement
+        key = (id(param), type(p).__name__, getattr(p, "dim", None),
+               str(p.splits[rank]) if not isinstance(p, Replicate) else None, rank)
+        if key not in self._made:
+            self._keep.append(param)
+            with torch.no_grad():
+                local = shard_tensor(param.detach(), p, rank)
+                if self.topology.is_virtual:
+                    self._note_virtual()
+                    local = local.contiguous()
+                else:
+                    local = numa_clone(local, self.topology.sockets[rank].node, strict=self.strict)
+            self._made[key] = local
+        return self._made[key]
+
+    def _note_virtual(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn("numatp: virtual sockets share one memory node; weights are not placed with mbind",
+                          stacklevel=4)
+
+    def report(self) -> dict[str, Any]:
+        """Pages per node of each socket's weights, and the share of pages on the socket's own node."""
+        ranks = []
+        local = total = 0
+        for r, sock in enumerate(self.topology.sockets):
+            pages: dict[int, int] = {}
+            for key, t in self._made.items():
+                if key[-1] != r:
+                    continue
+                for node, n in pages_by_node(t).items():
+                    pages[node] = pages.get(node, 0) + n
+            ranks.append({"socket": r, "node": sock.node, "pages": pages})
+            local += pages.get(sock.node, 0)
+            total += sum(n for node, n in pages.items() if node >= 0)
+        return {"ranks": ranks, "local_fraction": (local / total) if total else 0.0,
+                "virtual": self.topology.is_virtual, "tensors": len(self._made)}

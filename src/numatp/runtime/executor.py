@@ -1,0 +1,127 @@
+"""Run the per-socket programs on a socket group: compiled segments, all-reduces between them.
+
+Each worker runs its socket's segments on its own weight shards. An all-reduce posts the worker's
+partial sum, waits at the barrier, and writes the sum of all partials (added in socket order, so every
+socket holds bit-identical replicated values) into a tensor the worker allocates, i.e. in its own node's
+memory. A value is dropped from a worker's environment after its last use.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+
+from numatp.plan.ops import COLLECTIVES
+from numatp.plan.reference import gather
+from numatp.runtime.group import SocketGroup
+from numatp.runtime.segments import Collective, Segment, SegmentCompiler, split_program
+
+__all__ = ["SocketProgram", "ShardedExecutor", "strip_collectives"]
+
+
+def strip_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """With one socket every collective is the identity: remove them so the program is one segment."""
+    for n in list(gm.graph.nodes):
+        if n.target in COLLECTIVES:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+@dataclass
+class SocketProgram:
+    """One socket's compiled program: its steps, what each step frees, and its bound arguments."""
+
+    rank: int
+    placeholders: list[str]
+    steps: list[Any]
+    outputs: list[Any]
+    frees: list[list[str]] = field(default_factory=list)
+
+    def finish(self) -> None:
+        keep = {o for o in self.outputs if isinstance(o, str)}
+        last: dict[str, int] = {}
+        for i, s in enumerate(self.steps):
+            for k in (s.inputs if isinstance(s, Segment) else [s.src]):
+                last[k] = i
+        self.frees = [[] for _ in self.steps]
+        for k, i in last.items():
+            if k not in keep:
+                self.frees[i].append(k)
+
+
+class ShardedExecutor:
+    """Compiles the socket programs and runs them on a :class:`SocketGroup`."""
+
+    def __init__(self, group: SocketGroup, compiler: SegmentCompiler):
+        self.group = group
+        self.compiler = compiler
+        self.programs: list[SocketProgram] = []
+        self.sync_seconds = [0.0] * group.size
+
+    def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]]) -> None:
+        self.programs = []
+        for rank, (gm, args) in enumerate(zip(local_gms, local_args)):
+            if self.group.size == 1:
+                gm = strip_collectives(gm)
+            placeholders, steps, outs = split_program(gm, args)
+            threads = len(self.group.topology.sockets[rank].cpus)
+            for s in steps:
+                if isinstance(s, Segment):
+                    s.compiled = self.compiler.compile(s, threads)
+                    s.example = []
+            prog = SocketProgram(rank, placeholders, steps, outs)
+            prog.finish()
+            self.programs.append(prog)
+
+    def warm(self, local_args: list[list[Any]]) -> None:
+        """One call on the main thread per socket program, so that concurrent calls find everything loaded."""
+        for prog, args in zip(self.programs, local_args):
+            env = dict(zip(prog.placeholders, args))
+            for step in prog.steps:
+                if isinstance(step, Segment):
+                    env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
+                else:
+                    env[step.dst] = env[step.src]  # shapes only: values are not used
+
+    def run(self, local_args: list[list[Any]]) -> list[Any]:
+        size = self.group.size
+        slots: dict[int, list[Any]] = {}
+        for prog in self.programs[:1]:
+            for s in prog.steps:
+                if isinstance(s, Collective):
+                    slots[s.tag] = [None] * size
+        sync = self.sync_seconds
+
+        def work(rank: int) -> list[Any]:
+            prog = self.programs[rank]
+            env = dict(zip(prog.placeholders, local_args[rank]))
+            for step, frees in zip(prog.steps, prog.frees):
+                if isinstance(step, Segment):
+                    env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
+                else:
+                    t0 = time.perf_counter()
+                    slot = slots[step.tag]
+                    slot[rank] = env[step.src]
+                    self.group.barrier(rank)
+                    if step.kind == "all_reduce":
+                        total = slot[0] + slot[1] if size > 1 else slot[0].clone()
+                        for p in slot[2:]:
+                            total += p
+                        env[step.dst] = total
+                    else:
+                        env[step.dst] = gather(slot, step.dim, step.sets, step.global_size) if rank == 0 else None
+                    sync[rank] += time.perf_counter() - t0
+                for k in frees:
+                    env.pop(k, None)
+            return [env[o] if isinstance(o, str) else o[1] for o in prog.outputs]
+
+        results = self.group.run(work)
+        # a second barrier is not needed: slots are per tag and per call, and run() joins every worker
+        return results[0]

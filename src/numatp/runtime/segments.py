@@ -1,0 +1,149 @@
+"""Cut a socket program at its collectives into segments, and compile each distinct segment once.
+
+Per transformer layer a program has two all-reduces, so it falls into ``2 x layers + 1`` segments, and
+layers of the same shape give segments with the same code: canonical names make them compare equal,
+and one Inductor compilation serves every layer and every socket with the same local shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from numatp.plan.ops import COLLECTIVES
+
+__all__ = ["Segment", "Collective", "split_program", "SegmentCompiler"]
+
+
+@dataclass
+class Segment:
+    gm: torch.fx.GraphModule
+    inputs: list[str]          # env keys read, in placeholder order
+    outputs: list[str]         # env keys written, in output order
+    example: list[Any] = field(default_factory=list)
+    compiled: Any = None
+
+
+@dataclass
+class Collective:
+    kind: str                  # "all_reduce" or "all_gather"
+    tag: int
+    src: str
+    dst: str
+    dim: int = 0
+    global_size: int = 0
+    sets: Any = None
+
+
+def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[list[str], list, list[Any]]:
+    """(placeholder keys, steps, output spec) of a socket program; steps alternate Segment / Collective."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                                          for t in example_inputs])
+    nodes = list(gm.graph.nodes)
+    placeholders = [n.name for n in nodes if n.op == "placeholder"]
+    output = next(n for n in nodes if n.op == "output")
+    last_use: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[a.name] = i
+    steps: list[Any] = []
+    current: list[torch.fx.Node] = []
+    for i, n in enumerate(nodes):
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.target in COLLECTIVES:
+            if current:
+                steps.append(_segment(gm, current, i, last_use, output))
+                current = []
+            src = n.args[0].name
+            if n.target is COLLECTIVES[0]:
+                steps.append(Collective("all_reduce", n.args[1], src, n.name))
+            else:
+                steps.append(Collective("all_gather", n.args[3], src, n.name, n.args[1], n.args[2],
+                                        n.meta.get("numatp_gather")))
+        else:
+            current.append(n)
+    if current:
+        steps.append(_segment(gm, current, len(nodes), last_use, output))
+    outs = [a.name if isinstance(a, torch.fx.Node) else ("const", a) for a in output.args[0]]
+    return placeholders, steps, outs
+
+
+def _segment(gm, body: list[torch.fx.Node], end: int, last_use: dict[str, int], output) -> Segment:
+    inside = set(body)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    inputs: list[torch.fx.Node] = []
+    for n in body:
+        for a in n.all_input_nodes:
+            if a not in inside and a not in inputs:
+                inputs.append(a)
+    outs = [n for n in body if any(u not in inside for u in n.users)]
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for k, a in enumerate(inputs):
+        env[a] = g.placeholder(f"in{k}")
+        env[a].meta["val"] = a.meta.get("val")
+    for i, n in enumerate(body):
+        # canonical names: the same layer code in another layer must compare equal
+        args = torch.fx.node.map_arg(n.args, lambda x: env[x])
+        kwargs = torch.fx.node.map_arg(n.kwargs, lambda x: env[x])
+        env[n] = g.create_node(n.op, n.target, args, kwargs, name=f"v{i}")
+        env[n].meta = dict(n.meta)
+    g.output(tuple(env[o] for o in outs))
+    seg_gm = torch.fx.GraphModule(gm, g)
+    seg = Segment(seg_gm, [a.name for a in inputs], [o.name for o in outs])
+    seg.example = [_example(a.meta.get("val")) for a in inputs]
+    return seg
+
+
+def _example(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(tuple(v.shape), tuple(v.stride()), dtype=v.dtype)
+    return v
+
+
+class SegmentCompiler:
+    """Compile segments with Inductor's C++ backend; identical segments share one compiled callable.
+
+    ``cpp_wrapper=True`` so a compiled segment runs without holding the GIL (the default Python wrapper
+    holds it inside fused kernels, which serialises the sockets), and ``cpp.threads`` bakes in the
+    socket's thread count, which Inductor otherwise takes from the compiling thread.
+    """
+
+    def __init__(self, *, mode: str = "inductor"):
+        self.mode = mode
+        self._cache: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self.compiled = 0
+        self.reused = 0
+
+    def key(self, seg: Segment, threads: int) -> str:
+        meta = [(tuple(t.shape), tuple(t.stride()), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
+                for t in seg.example]
+        return hashlib.sha256(f"{seg.gm.code}|{meta}|{threads}|{self.mode}".encode()).hexdigest()
+
+    def compile(self, seg: Segment, threads: int) -> Any:
+        k = self.key(seg, threads)
+        with self._lock:
+            if k in self._cache:
+                self.reused += 1
+                return self._cache[k]
+        if self.mode == "eager":
+            fn = seg.gm
+        else:
+            from torch._inductor.compile_fx import compile_fx
+            patches = {"cpp_wrapper": True, "cpp.threads": threads}
+            with torch.no_grad():
+                fn = compile_fx(seg.gm, seg.example, config_patches=patches)
+        with self._lock:
+            self._cache.setdefault(k, fn)
+            self.compiled += 1
+        return self._cache[k]
