@@ -19,12 +19,16 @@ Modelling assumptions, each with its reason:
 2. Compute time is the stage's FLOPs over the sockets' GEMM rate, taken from the profile at the
    per-core size of the stage, because small GEMMs run below the large-GEMM rate.
 3. DRAM traffic of a stage is its compulsory traffic (weights once, inputs and outputs once) when the
-   bytes one socket touches fit in its L3; otherwise the GEMM code re-reads both operand panels once
-   per output tile, ``flops / (tile / itemsize)`` bytes, half weight and half activation (square
-   tiles re-read both operands equally). This is the "weights that fit in L3 behave differently"
-   effect: sharding divides the per-socket working set by N and can bring it under the L3.
+   weight bytes one socket reuses fit in its L3; otherwise the GEMM code re-reads operand panels once
+   per output tile, ``flops / (tile / itemsize)`` bytes, half weight and half activation. Only the
+   weight decides: a tiled GEMM streams each activation row panel through L2 once while it reuses the
+   whole weight across every row of tiles, so it is the weight that must stay in L3 between uses
+   (activation traffic is compulsory either way). For the attention core, whose operands are all
+   activations, the per-socket activation bytes decide. This is the paper's "weights that fit in L3
+   behave differently" effect (Fig. 2: NUMA-TP moves kernels to the L3/L2 ceilings): sharding divides
+   the per-socket weight by N and can bring it under the L3.
 4. The unsharded baseline touches all weight columns from every socket (the oblivious pool hands
-   tiles of every column panel to every socket), so its per-socket working set is the full weight.
+   tiles of every column panel to every socket), so its per-socket weight is the full weight.
 5. Unsharded memory time is the larger of (a) a non-zero socket's time, which reads its 1/N share
    of weight traffic remotely from node 0 and (N-1)/N of its activation traffic remotely, and (b)
    node 0's controller serving all weight traffic. In (a) local and remote times add rather than
@@ -51,10 +55,14 @@ __all__ = ["CHOICES", "StageTime", "block_stages", "predict"]
 
 CHOICES: tuple[str, ...] = ("sharded", "unsharded", "one-socket")
 
-# Kernel launches per block in the NUMA-TP path, each ending in a join of the socket groups:
-# attention = fused QKV projection, QK^T, softmax, PV, output projection; MLP = up (+activation),
-# down; LM head = one projection. One more join closes the all-reduce.
-_LAUNCHES = {"attention": 5, "mlp": 2, "lm_head": 1}
+# Kernel launches per block in the NUMA-TP path, each ending in a join of the socket groups
+# (Algorithm 4: "the launcher waits for every group to finish"). Counted from the kernels Inductor
+# emits for a GPT-2/BERT prefill layer, one per fused op group: attention = norm statistics, norm
+# apply, QKV projection (+bias), head split, QK^T, scale/mask/softmax, PV, head merge, output
+# projection, bias + residual (10); MLP = norm statistics, norm apply, up projection, activation,
+# down projection, bias + residual (6); LM head = one projection. 16 per layer, inside the ~15-30
+# a fused Inductor layer produces. One more join closes each all-reduce.
+_LAUNCHES = {"attention": 10, "mlp": 6, "lm_head": 1}
 _MIB = 1 << 20
 
 
@@ -90,7 +98,8 @@ def block_stages(block: BlockShape, sockets: int) -> list[StageTime]:
 
 
 def _traffic(stage: StageTime, block: BlockShape, profile: MachineProfile, per_socket: float) -> tuple[float, float]:
-    """(weight, activation) DRAM bytes of the whole stage, re-reads included when it overflows L3."""
+    """(weight, activation) DRAM bytes of the whole stage, re-reads included when ``per_socket`` bytes
+    (the weight one socket reuses; for the attention core its activations) overflow L3."""
     if stage.flops == 0.0 or per_socket <= profile.l3_mib * _MIB:
         return stage.weight_bytes, stage.act_bytes
     reread = stage.flops / (profile.gemm_tile / block.itemsize)
@@ -123,15 +132,15 @@ def predict(block: BlockShape, profile: MachineProfile, choice: str, *, sockets:
         if choice == "sharded":
             # Replicated stages (norm) run in full on every socket; the rest is split N ways.
             split = n if st.flops or st.weight_bytes else 1
-            w, a = _traffic(st, block, profile, st.per_socket_bytes)
+            w, a = _traffic(st, block, profile, st.weight_bytes / n if st.weight_bytes else st.per_socket_bytes)
             mem = (w + a) / split / local
             comp = _compute(st, block, profile, n)
         elif choice == "one-socket":
-            w, a = _traffic(st, block, profile, st.weight_bytes + st.act_bytes)
+            w, a = _traffic(st, block, profile, st.weight_bytes or st.act_bytes)
             mem, comp = (w + a) / local, _compute(st, block, profile, 1)
         else:
             # Every socket touches all weight columns; activations are split over the sockets.
-            w, a = _traffic(st, block, profile, st.weight_bytes + st.act_bytes / n)
+            w, a = _traffic(st, block, profile, st.weight_bytes or st.act_bytes / n)
             if n == 1:
                 mem = (w + a) / local
             else:
