@@ -1,0 +1,26 @@
+"""Shared test helpers: comparison against eager with dtype-appropriate tolerances, tiny topologies."""
+
+from __future__ import annotations
+
+import torch
+
+from numatp.topology import NumaNode, Socket, Topology
+
+TOLERANCES = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=6e-2, rtol=3e-2)}
+
+
+def assert_close_to_eager(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> float:
+    """assert_close with the dtype's tolerance; the message carries max and mean absolute difference."""
+    diff = (actual.float() - expected.float()).abs()
+    msg = f"{what}: max |diff| {diff.max().item():.3g}, mean {diff.mean().item():.3g}"
+    torch.testing.assert_close(actual, expected, **TOLERANCES[expected.dtype], msg=msg)
+    return diff.max().item()
+
+
+def shared_cpu_topology(sockets: int) -> Topology:
+    """A virtual topology of ``sockets`` sockets that may share CPUs (for correctness tests only)."""
+    import os
+    cpus = sorted(os.sched_getaffinity(0))
+    groups = tuple(Socket(index=i, node=0, cpus=(cpus[i % len(cpus)],)) for i in range(sockets))
+    node = NumaNode(0, frozenset(cpus), 1 << 30, {0: 10})
+    return Topology((node,), groups, frozenset(cpus), is_virtual=True)

@@ -1,0 +1,134 @@
+"""The NUMA-TP pass against eager, through the reference executor: every preset family, 1-4 sockets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from numatp import zoo
+from numatp.plan import Colwise, Replicate, Rowwise, capture, localize, plan_graph, run_reference
+from tests.helpers import assert_close_to_eager
+
+FAMILIES = ["gpt2", "bert-small", "gemma3-270m", "llama"]
+SHAPES = [(1, 16), (2, 24)]
+
+
+@pytest.fixture(scope="module", params=[(f, d, s) for f in FAMILIES for d in (torch.float32, torch.bfloat16)
+                                        for s in SHAPES], ids=lambda p: f"{p[0]}-{str(p[1])[6:]}-{p[2][0]}x{p[2][1]}")
+def traced(request):
+    family, dtype, (batch, seq) = request.param
+    model = zoo.build(family, tiny=True, dtype=dtype)
+    inputs = zoo.example_inputs(model, batch=batch, seq=seq)
+    with torch.no_grad():
+        out = model(**inputs)
+    graphs = capture(model, **inputs)
+    assert len(graphs) == 1, "tiny presets compile to one graph"
+    return family, model, graphs[0], out.logits
+
+
+@pytest.mark.parametrize("sockets", [1, 2, 3, 4])
+def test_reference_equals_eager(traced, sockets):
+    family, model, (ag, real), expected = traced
+    plan = plan_graph(ag, sockets)
+    programs = [localize(ag, r) for r in range(sockets)]
+    (logits,) = run_reference(programs, real)
+    assert_close_to_eager(logits, expected, f"{family} on {sockets} sockets")
+    layers = model.config.num_hidden_layers
+    assert plan.reductions == 2 * layers
+    reduce_nodes = [n for n in programs[0].gm.graph.nodes if n.target is torch.ops.numatp.all_reduce.default]
+    assert len(reduce_nodes) == 2 * layers
+    assert plan.gathers == 1  # the LM head's logits
+    sharded = [b for b in plan.blocks if b.sharded]
+    assert sum(b.kind == "attention" for b in sharded) == layers
+    assert sum(b.kind == "mlp" for b in sharded) == layers
+    assert sum(b.kind == "lm_head" for b in sharded) == 1
+
+
+@pytest.mark.parametrize("sockets", [2, 3])
+def test_weight_bytes_add_up(traced, sockets):
+    family, model, (ag, real), _ = traced
+    plan = plan_graph(ag, sockets)
+    replicated = 0
+    sharded_extra = 0
+    for name, uses in plan.weights.items():
+        if any(isinstance(u.placement, Replicate) for u in uses):
+            replicated += uses[0].nbytes
+            # a sharded use of a replicated parameter (tied LM head) reads the replica: no extra bytes
+        else:
+            assert all(isinstance(u.placement, (Colwise, Rowwise)) for u in uses)
+            for u in uses:
+                covered = sorted(i for s in u.placement.splits for i in s.indices())
+                assert covered == list(range(u.shape[u.placement.dim])), f"{name}: shards must tile the weight"
+            sharded_extra += sum(u.nbytes for u in uses[1:])
+    total = sum(plan.socket_bytes(r) for r in range(sockets))
+    assert total == plan.model_bytes + (sockets - 1) * replicated + sharded_extra
+    params = {id(p): p for p in model.parameters()}
+    assert plan.model_bytes == sum(p.numel() * p.element_size() for p in params.values())
+
+
+def test_gqa_kv_replicated_when_heads_do_not_divide():
+    model = zoo.build("gemma3-270m", tiny=True)
+    (ag, real), = capture(model, **zoo.example_inputs(model, batch=1, seq=16))
+    plan = plan_graph(ag, 2)
+    attn = [b for b in plan.blocks if b.kind == "attention"]
+    assert attn and all(b.sharded for b in attn)
+    assert all(any("k_proj" in c for c in b.replicated_columns) for b in attn)
+    k = plan.weights["model.layers.0.self_attn.k_proj.weight"]
+    assert [type(u.placement) for u in k] == [Replicate]
+
+
+def test_uneven_splits_are_legal():
+    model = zoo.build("gpt2", tiny=True)
+    (ag, real), = capture(model, **zoo.example_inputs(model, batch=1, seq=16))
+    plan = plan_graph(ag, 3)
+    lm = plan.weights["lm_head.weight"]
+    col = next(u.placement for u in lm if isinstance(u.placement, Colwise))
+    sizes = [len(s) for s in col.splits]
+    assert sum(sizes) == model.config.vocab_size and len(set(sizes)) >= 1
+
+
+def test_bad_socket_counts_raise():
+    model = zoo.build("gpt2", tiny=True)
+    (ag, real), = capture(model, **zoo.example_inputs(model, batch=1, seq=16))
+    with pytest.raises(ValueError, match="sockets=0"):
+        plan_graph(ag, 0)
+    heads = model.config.n_head
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.attn.*cannot split over"):
+        plan_graph(ag, heads + 1)
+    with pytest.raises(ValueError, match="policy="):
+        plan_graph(ag, 2, policy="sometimes")
+
+
+def test_never_policy_shards_nothing():
+    model = zoo.build("gpt2", tiny=True)
+    inputs = zoo.example_inputs(model, batch=1, seq=16)
+    (ag, real), = capture(model, **inputs)
+    plan = plan_graph(ag, 2, policy="never")
+    assert plan.reductions == 0 and not any(b.sharded for b in plan.blocks)
+    (logits,) = run_reference([localize(ag, r) for r in range(2)], real)
+    with torch.no_grad():
+        assert_close_to_eager(logits, model(**inputs).logits, "never")
+
+
+def test_unrecognised_block_runs_replicated_and_says_why():
+    class Odd(torch.nn.Module):
+        """A block whose intermediate is normalised over its features: not column/row shardable."""
+
+        def __init__(self):
+            super().__init__()
+            self.up = torch.nn.Linear(32, 64)
+            self.down = torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            h = torch.nn.functional.layer_norm(self.up(x), (64,))
+            return self.down(h) + x
+
+    model = Odd().eval()
+    x = torch.randn(2, 8, 32)
+    (ag, real), = capture(model, x)
+    plan = plan_graph(ag, 2)
+    (blk,) = [b for b in plan.blocks if not b.sharded]
+    assert "reduces over the sharded dimension" in blk.reason
+    (out,) = run_reference([localize(ag, r) for r in range(2)], real)
+    with torch.no_grad():
+        assert_close_to_eager(out, model(x), "odd")
