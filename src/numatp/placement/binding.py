@@ -22,7 +22,9 @@ def membind(node: int, *, strict: bool = False) -> Iterator[int]:
 
     Only memory first touched inside the body is affected; pages the allocator reuses keep their node.
     Threads started inside the body inherit the binding (the kernel copies the policy at clone) and
-    keep it after the body ends; other threads are unaffected.
+    keep it after the body ends; other threads are unaffected. Memory allocated here carries no
+    per-range policy, so automatic NUMA balancing (``kernel.numa_balancing=1``) may later move it
+    towards the CPUs that touch it; ``numa_clone``'s per-range binding is not moved.
     ``node`` is validated like in ``numa_clone``. If the kernel refuses (EPERM/ENOSYS) the body runs
     unbound after one RuntimeWarning per process, or PlacementError is raised when ``strict=True``.
     """

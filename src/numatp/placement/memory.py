@@ -76,7 +76,10 @@ def pages_by_node(tensor: torch.Tensor) -> dict[int, int]:
     Uses ``move_pages`` with ``nodes=NULL``, which only reports. Pages that could not be placed are
     counted under the negative errno the kernel gives: ``-errno.ENOENT`` (-2) for a page not yet
     touched (not present), ``-errno.EFAULT`` (-14) for an address not mapped. An empty tensor gives
-    ``{}``. Raises PlacementError if the kernel refuses the query (e.g. seccomp).
+    ``{}``. With automatic NUMA balancing (``kernel.numa_balancing=1``) the kernel briefly unmaps
+    pages to sample accesses; such a page reads as -ENOENT (-EFAULT inside a huge page) until it is
+    next touched, so read the tensor (``t.sum()``) just before asking when exact counts matter.
+    Raises PlacementError if the kernel refuses the query (e.g. seccomp).
     """
     _check_cpu_tensor(tensor, "pages_by_node")
     start, end = _span(tensor)

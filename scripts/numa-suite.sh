@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Run the `numa` test suite (tests/numa) inside a QEMU guest with NODES NUMA nodes, and fail unless
+# every collected test passed there (a skipped or missing test fails the run).
+#
+#   scripts/numa-suite.sh [NODES]        NODES = 2 (default) or more
+#
+# The guest is booted by run_in_numa_vm.sh (default: ../shared/tools/numa-vm/ beside the checkout;
+# override with NUMATP_NUMA_VM=/path/to/run_in_numa_vm.sh).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+nodes=${1:-2}
+vm=${NUMATP_NUMA_VM:-$PWD/../shared/tools/numa-vm/run_in_numa_vm.sh}
+if [[ ! -x $vm ]]; then
+  echo "numa-suite: no numa-vm script at $vm; set NUMATP_NUMA_VM to run_in_numa_vm.sh" >&2
+  exit 2
+fi
+export OMP_NUM_THREADS=1
+pytest_args=(-m numa tests/numa -p no:cacheprovider)
+
+# Collect on the host: the count the guest must match, and .pyc files written so that the
+# emulated guest does not compile torch's sources again.
+expected=$(python -m pytest "${pytest_args[@]}" --collect-only -q | grep -c '::' || true)
+if ((expected < 1)); then echo "numa-suite: no numa tests collected" >&2; exit 1; fi
+
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+echo "numa-suite: $expected tests in a $nodes-node guest"
+set +e
+QNUMA_NODES=$nodes "$vm" python -m pytest "${pytest_args[@]}" -rA 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+passed=$(grep -c '^PASSED ' "$log" || true)
+others=$(grep -cE '^(SKIPPED|XFAIL|XPASS|FAILED|ERROR) ' "$log" || true)
+if ((rc != 0 || passed != expected || others != 0)); then
+  echo "numa-suite: FAILED on $nodes nodes: pytest exit $rc, $passed of $expected passed, $others skipped/failed" >&2
+  exit 1
+fi
+echo "numa-suite: OK on $nodes nodes: $passed of $expected passed"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The test command of README.md and .ci/run: the host suite. pyproject's addopts deselect the
+# `numa` (multi-node guest, see scripts/numa-suite.sh) and `slow` markers. Extra args go to pytest.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# One OpenMP thread unless told otherwise: tests check results, not speed, and must not oversubscribe.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec python -m pytest -q "$@"
