@@ -28,10 +28,9 @@ from numatp.topology import Topology, parse_cpulist
 
 FIXTURE = Path(__file__).parent / "fixtures" / "bench" / "results.jsonl"
 POLICY_MODES = ("interleave", "localalloc", "single-socket")
-# numatp modes run for real once the backend provides numatp.compile; until then their children
-# fail, which exercises the error path.
-HAS_BACKEND = hasattr(numatp, "compile")
-MODES = ("baseline", *POLICY_MODES, "numatp", "numatp-auto")
+# numatp-auto runs the same child code as numatp with another policy string; leaving it out saves
+# a compile of ~40 s on a 2-core machine.
+MODES = ("baseline", *POLICY_MODES, "numatp")
 SWEEP_ARGS = ["--tiny", "--model", "gpt2", "--batch", "1", "--seq", "16", "--warmup", "1", "--iters", "2",
               "--mechanism", "syscall", "--no-progress"]
 
@@ -67,12 +66,9 @@ def _steady(topology: dict) -> dict:
 
 def test_one_line_per_configuration(records: dict[str, dict]) -> None:
     assert sorted(records) == sorted(MODES)
-    expected = "ok" if HAS_BACKEND else "error"
-    for mode in ("numatp", "numatp-auto"):
-        assert records[mode]["status"] == expected, records[mode].get("reason")
 
 
-@pytest.mark.parametrize("mode", ["baseline", *POLICY_MODES] + (["numatp", "numatp-auto"] if HAS_BACKEND else []))
+@pytest.mark.parametrize("mode", MODES)
 def test_ok_line_schema(records: dict[str, dict], sweep: Path, machine: Topology, mode: str) -> None:
     r = records[mode]
     config = Config(model="gpt2", batch=1, seq=16, dtype="float32", mode=mode,
@@ -141,13 +137,6 @@ def test_policies_as_the_child_saw_them(records: dict[str, dict], machine: Topol
         assert len(first.cpus) < len(all_cpus)
 
 
-def test_failed_children_record_output(records: dict[str, dict]) -> None:
-    if HAS_BACKEND:
-        pytest.skip("numatp modes succeed once the backend exists; the timeout test covers errors")
-    r = records["numatp"]
-    assert r["returncode"] == 1 and "compile" in r["reason"] and "Traceback" in r["stderr_tail"]
-
-
 def test_rerun_skips_finished_configurations(sweep: Path, machine: Topology) -> None:
     before = read_results(sweep / RESULTS)
     done = [m for m in MODES if any(r["mode"] == m and r["status"] == "ok" for r in before)]
@@ -175,6 +164,18 @@ def test_timeout_and_too_long_sequence_are_recorded_and_the_sweep_goes_on(tmp_pa
     assert "timed out after 0.5 s" in error["reason"] and "--timeout" in error["reason"]
     assert isinstance(error["stderr_tail"], str)
     assert skipped["status"] == "skipped" and "seq 4096 exceeds the 128 positions" in skipped["reason"]
+
+
+def test_crashed_child_is_recorded_with_its_output(tmp_path: Path, machine: Topology) -> None:
+    # A socket on a CPU that does not exist: the child's sched_setaffinity fails before torch loads.
+    ranks = Topology.virtual(sockets=1, cpus=[4095])
+    config = Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="single-socket", sockets=1, tiny=True)
+    counts = run_sweep([config], tmp_path, machine=machine, ranks=ranks, mechanism="syscall", progress=False)
+    assert counts.errors == 1
+    (line,) = read_results(tmp_path)
+    assert line["status"] == "error" and line["returncode"] == 1
+    assert line["reason"].startswith("child exited with status 1: OSError")
+    assert "sched_setaffinity" in line["stderr_tail"] and (tmp_path / line["log"]).is_file()
 
 
 def test_memory_guard_skips_and_says_why(tmp_path: Path, machine: Topology) -> None:

@@ -1,12 +1,8 @@
 """The machine a sweep runs on: the sockets numatp uses, the CPU's name, and whether a
-configuration's memory fits.
-
-Standard library only, so the benchmark child can call it before torch is imported.
-"""
+configuration's memory fits."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +15,6 @@ __all__ = [
     "cpu_model",
     "estimate_bytes",
     "mem_available",
-    "ranks_from_dict",
     "resolve_ranks",
 ]
 
@@ -31,31 +26,18 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def resolve_ranks(sockets: int | None, machine: Topology) -> Topology:
-    """The topology numatp runs on for ``--sockets`` on ``machine``.
+    """The topology numatp runs on for ``--sockets`` on ``machine`` (the detected topology).
 
-    None: the machine's sockets, or 2 virtual sockets where it has a single one. On a multi-socket
-    machine N <= its sockets keeps the first N; on a single-socket machine N virtual sockets split
-    its CPUs.
+    None: the machine's sockets, or 2 virtual sockets where it has a single one, so a one-node
+    machine still measures the multi-socket path. An int N: what ``numatp.compile(sockets=N)``
+    runs on (``numatp.backend.resolve_topology``: the first N sockets, or N virtual sockets on a
+    one-node machine).
     """
-    if machine.num_sockets >= 2:
-        if sockets is None or sockets == machine.num_sockets:
-            return machine
-        if 1 <= sockets < machine.num_sockets:
-            return dataclasses.replace(machine, sockets=machine.sockets[:sockets])
-        raise ValueError(
-            f"--sockets {sockets}: this machine has {machine.num_sockets} sockets (NUMA nodes with CPUs "
-            f"this process may use), and numatp uses at most that many; pass --sockets 1 to "
-            f"{machine.num_sockets}, or leave it out"
-        )
-    # One node: split its CPUs. Topology.virtual names the limit (one CPU per socket) when it fails.
-    return Topology.virtual(sockets=2 if sockets is None else sockets, cpus=machine.allowed_cpus)
+    if sockets is None:
+        return machine if machine.num_sockets >= 2 else Topology.virtual(sockets=2, cpus=machine.allowed_cpus)
+    from numatp.backend import resolve_topology  # imports torch: the child calls this after its policy is set
 
-
-def ranks_from_dict(data: Mapping[str, Any], machine: Topology) -> Topology:
-    """Rebuild in the child the ranks topology the parent resolved (``Topology.to_dict`` form)."""
-    if data["is_virtual"]:
-        return Topology.virtual(sockets=len(data["sockets"]), cpus=data["allowed_cpus"])
-    return resolve_ranks(len(data["sockets"]), machine)
+    return resolve_topology(sockets)
 
 
 def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:

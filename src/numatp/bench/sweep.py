@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numatp
+from numatp.bench import bootstrap
 from numatp.bench import machine as _machine
 from numatp.bench.policy import ProcessPolicy, choose_mechanism, launch_prefix, policy_for
 from numatp.bench.spec import Config
@@ -220,7 +221,8 @@ def _measure(config: Config, policy: ProcessPolicy, mechanism: str, ranks: Topol
     job.write_text(json.dumps({"config": config.to_dict(), "policy": policy.to_dict(), "mechanism": mechanism,
                                "ranks": ranks.to_dict()}))
     result.unlink(missing_ok=True)
-    command = [*launch_prefix(policy, mechanism), sys.executable, "-m", "numatp.bench.child",
+    # -P: no script folder on sys.path, so bench's module names cannot shadow top-level ones.
+    command = [*launch_prefix(policy, mechanism), sys.executable, "-P", str(Path(bootstrap.__file__)),
                str(job), str(result)]
     started = time.perf_counter()
     code, tail = _run_child(command, logs / f"{name}.log", timeout_s)
