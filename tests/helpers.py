@@ -24,3 +24,8 @@ def shared_cpu_topology(sockets: int) -> Topology:
     groups = tuple(Socket(index=i, node=0, cpus=(cpus[i % len(cpus)],)) for i in range(sockets))
     node = NumaNode(0, frozenset(cpus), 1 << 30, {0: 10})
     return Topology((node,), groups, frozenset(cpus), is_virtual=True)
+
+
+def fresh_dynamo():
+    """Forget compiled frames, so a test's torch.compile is not served from (or limited by) earlier tests."""
+    torch._dynamo.reset()

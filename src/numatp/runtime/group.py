@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,65 +35,92 @@ class GroupAborted(RuntimeError):
 _STOP = object()
 
 
+class _Shared:
+    """What the workers share; kept apart from :class:`SocketGroup` so that an unused group can be collected."""
+
+    def __init__(self, topology: Topology, bind: bool, timeout: float):
+        self.topology = topology
+        self.bind = bind
+        self.timeout = timeout
+        self.size = topology.num_sockets
+        self.barrier = threading.Barrier(self.size)
+        self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.size)]
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.ready = threading.Barrier(self.size + 1)
+        self.setup_errors: list[BaseException] = []
+
+
+def _worker(shared: _Shared, rank: int) -> None:
+    sock = shared.topology.sockets[rank]
+    try:
+        os.sched_setaffinity(0, sock.cpus)
+        torch.set_num_threads(len(sock.cpus))
+        ctx = contextlib.ExitStack()
+        if shared.bind:
+            from numatp.placement import membind
+            ctx.enter_context(membind(sock.node))
+        ctx.enter_context(torch.inference_mode())
+    except BaseException as e:  # noqa: BLE001  (reported to the constructor)
+        shared.setup_errors.append(e)
+        shared.ready.wait()
+        return
+    shared.ready.wait()
+    with ctx:
+        while True:
+            task = shared.tasks[rank].get()
+            if task is _STOP:
+                return
+            try:
+                shared.done.put((rank, True, task(rank)))
+            except BaseException as e:  # noqa: BLE001  (handed to the caller)
+                shared.barrier.abort()
+                shared.done.put((rank, False, e))
+            del task
+
+
+def _stop(shared: _Shared, threads: list[threading.Thread]) -> None:
+    for q in shared.tasks:
+        q.put(_STOP)
+    for t in threads:
+        if t.is_alive() and t is not threading.current_thread():
+            t.join(timeout=5)
+
+
 class SocketGroup:
     """Workers for the sockets of ``topology``; use as a context manager (``close()`` joins them).
 
     ``run(fn)`` calls ``fn(rank)`` on every worker at once and returns the results in socket order.
     Inside ``fn``, ``group.barrier(rank)`` synchronises the sockets; a worker that raises breaks the
-    barrier so the others stop at their next one instead of waiting forever.
+    barrier so the others stop at their next one instead of waiting forever. The workers stop when the
+    group is closed or garbage-collected.
     """
 
     def __init__(self, topology: Topology, *, bind_memory: bool | None = None, timeout: float = 600.0):
         self.topology = topology
         self.size = topology.num_sockets
-        self.timeout = timeout
-        self._bind = (not topology.is_virtual) if bind_memory is None else bind_memory
-        self._barrier = threading.Barrier(self.size)
-        self._tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.size)]
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        bind = (not topology.is_virtual) if bind_memory is None else bind_memory
+        self._shared = shared = _Shared(topology, bind, timeout)
         self._lock = threading.Lock()
-        self._ready = threading.Barrier(self.size + 1)
-        self._setup_errors: list[BaseException] = []
         self._threads = [
-            threading.Thread(target=self._worker, args=(r,), name=f"numatp-socket{r}", daemon=True)
+            threading.Thread(target=_worker, args=(shared, r), name=f"numatp-{id(shared):x}-socket{r}", daemon=True)
             for r in range(self.size)
         ]
         for t in self._threads:
             t.start()
-        self._ready.wait()
-        if self._setup_errors:
+        self._finalizer = weakref.finalize(self, _stop, shared, self._threads)
+        shared.ready.wait()
+        if shared.setup_errors:
             self.close()
-            raise SocketError(f"could not start the socket workers: {self._setup_errors[0]}") from self._setup_errors[0]
+            err = shared.setup_errors[0]
+            raise SocketError(f"could not start the socket workers: {err}") from err
 
-    def _worker(self, rank: int) -> None:
-        sock = self.topology.sockets[rank]
-        try:
-            os.sched_setaffinity(0, sock.cpus)
-            torch.set_num_threads(len(sock.cpus))
-            ctx = contextlib.ExitStack()
-            if self._bind:
-                from numatp.placement import membind
-                ctx.enter_context(membind(sock.node))
-            ctx.enter_context(torch.inference_mode())
-        except BaseException as e:  # noqa: BLE001  (reported to the constructor)
-            self._setup_errors.append(e)
-            self._ready.wait()
-            return
-        self._ready.wait()
-        with ctx:
-            while True:
-                task = self._tasks[rank].get()
-                if task is _STOP:
-                    return
-                try:
-                    self._done.put((rank, True, task(rank)))
-                except BaseException as e:  # noqa: BLE001  (handed to the caller)
-                    self._barrier.abort()
-                    self._done.put((rank, False, e))
+    @property
+    def thread_names(self) -> list[str]:
+        return [t.name for t in self._threads if t.is_alive()]
 
     def barrier(self, rank: int) -> None:
         try:
-            self._barrier.wait(self.timeout)
+            self._shared.barrier.wait(self._shared.timeout)
         except threading.BrokenBarrierError:
             raise GroupAborted(f"socket {rank}: a peer socket failed or the call was interrupted") from None
 
@@ -101,9 +129,10 @@ class SocketGroup:
         if not self._lock.acquire(blocking=False):
             raise RuntimeError("this numatp socket group is already running a call from another thread; "
                                "numatp runs one prefill at a time per compiled model: call it from one thread")
+        shared = self._shared
         try:
-            self._barrier.reset()
-            for q in self._tasks:
+            shared.barrier.reset()
+            for q in shared.tasks:
                 q.put(fn)
             results: list[Any] = [None] * self.size
             errors: dict[int, BaseException] = {}
@@ -111,10 +140,10 @@ class SocketGroup:
             interrupted: BaseException | None = None
             while pending:
                 try:
-                    rank, ok, value = self._done.get()
+                    rank, ok, value = shared.done.get()
                 except BaseException as e:  # KeyboardInterrupt: stop the peers, still collect them
                     interrupted = e
-                    self._barrier.abort()
+                    shared.barrier.abort()
                     continue
                 pending -= 1
                 if ok:
@@ -123,8 +152,8 @@ class SocketGroup:
                     errors[rank] = value
             if interrupted is not None:
                 raise interrupted
-            real = {r: e for r, e in errors.items() if not isinstance(e, GroupAborted)}
-            if real or errors:
+            if errors:
+                real = {r: e for r, e in errors.items() if not isinstance(e, GroupAborted)}
                 rank, err = min((real or errors).items())
                 raise SocketError(f"socket {rank} (CPUs {_cpus(self.topology, rank)}) failed: "
                                   f"{type(err).__name__}: {err}") from err
@@ -133,21 +162,13 @@ class SocketGroup:
             self._lock.release()
 
     def close(self) -> None:
-        for q in self._tasks:
-            q.put(_STOP)
-        for t in self._threads:
-            if t.is_alive() and t is not threading.current_thread():
-                t.join(timeout=5)
+        self._finalizer()
 
     def __enter__(self) -> SocketGroup:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 def _cpus(topology: Topology, rank: int) -> str:
