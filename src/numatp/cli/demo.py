@@ -1,0 +1,115 @@
+"""``numatp demo``: one model, compiled by torch.compile and by numatp on this machine, side by side.
+
+The first thing to run on a new machine: it shows the topology numatp uses (2 virtual sockets on a
+single-node machine), the prefill latency of the baseline (Inductor's default C++ backend on all usable
+CPUs) and of NUMA-TP, the speedup, and on which nodes the shards' pages are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "demo", help="compile a model with torch.compile and with numatp, and compare their prefill",
+        description="Build MODEL with random weights, compile it with torch.compile (the baseline) and "
+        "with numatp on this machine's topology, check both against eager, and print their prefill "
+        "latency, the speedup and where the weight shards' pages are.")
+    p.add_argument("--model", default="gpt2", help="preset or checkpoint folder (default gpt2)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--seq", type=int, default=128, help="sequence length (default 128)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
+    p.add_argument("--sockets", type=int, default=None,
+                   help="socket count (default: the detected sockets, or 2 virtual ones on a one-node machine)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling (default 2)")
+    p.add_argument("--iters", type=int, default=5, help="timed calls per mode (default 5)")
+    p.add_argument("--tiny", action="store_true", help="use the shrunken test config (seconds, not minutes)")
+    p.set_defaults(run=run)
+    return p
+
+
+def _say(msg: str) -> None:
+    print(f"[numatp demo] {msg}", file=sys.stderr, flush=True)
+
+
+def _time(fn, inputs, warmup: int, iters: int) -> list[float]:
+    for _ in range(warmup):
+        fn(**inputs)
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn(**inputs)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import warnings
+
+    import torch
+
+    import numatp
+    from numatp import zoo
+    from numatp.topology import Topology, format_cpulist
+
+    warnings.filterwarnings("ignore", message="numatp: virtual sockets")
+    detected = Topology.detect()
+    sockets = args.sockets or (detected.num_sockets if detected.num_sockets > 1 else 2)
+    topo = numatp.backend.resolve_topology(sockets)
+    kind = "virtual sockets on one memory node" if topo.is_virtual else "NUMA nodes"
+    print(f"topology: {topo.num_sockets} {kind}: " +
+          "; ".join(f"socket {s.index} = node {s.node}, CPUs {format_cpulist(s.cpus)}" for s in topo.sockets))
+    dtype = getattr(torch, args.dtype)
+    _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype}, random weights)")
+    model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
+    inputs = zoo.example_inputs(model, batch=args.batch, seq=args.seq)
+    with torch.inference_mode():
+        expected = model(**inputs).logits
+        _say("compiling the baseline: torch.compile (Inductor C++)")
+        base = torch.compile(model)
+        t0 = time.perf_counter()
+        base_out = base(**inputs).logits
+        base_compile = time.perf_counter() - t0
+        _say(f"compiling with numatp on {topo.num_sockets} sockets")
+        tp = numatp.compile(model, sockets=topo)
+        t0 = time.perf_counter()
+        tp_out = tp(**inputs).logits
+        tp_compile = time.perf_counter() - t0
+        tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=3e-2)
+        for name, out in (("baseline", base_out), ("numatp", tp_out)):
+            diff = (out.float() - expected.float()).abs().max().item()
+            torch.testing.assert_close(out, expected, **tol, msg=f"{name} differs from eager: max {diff:.3g}")
+        _say(f"timing: {args.warmup} warm-up and {args.iters} timed calls each, interleaved")
+        base_t, tp_t = [], []
+        for _ in range(args.warmup):
+            base(**inputs)
+            tp(**inputs)
+        backend = tp._numatp_backend
+        for i in range(args.iters):
+            base_t += _time(base, inputs, 0, 1)
+            tp_t += _time(tp, inputs, 0, 1)
+    report = numatp.placement_report(tp)
+    sync = max(v.executor.sync_seconds[r] for g in backend.graphs for v in g.variants.values()
+               for r in range(topo.num_sockets))
+    calls = args.warmup + args.iters + 1
+    bm, tm = statistics.median(base_t), statistics.median(tp_t)
+    print(f"model: {args.model}{' (tiny)' if args.tiny else ''}, batch {args.batch} x seq {args.seq}, {args.dtype}")
+    print(f"{'mode':<28} {'median ms':>10} {'cv %':>6} {'compile s':>10}")
+    for name, ts, comp in (("baseline torch.compile", base_t, base_compile),
+                           (f"numatp ({topo.num_sockets} sockets)", tp_t, tp_compile)):
+        cv = 100 * statistics.pstdev(ts) / statistics.mean(ts)
+        print(f"{name:<28} {1e3 * statistics.median(ts):>10.2f} {cv:>6.1f} {comp:>10.1f}")
+    print(f"speedup numatp / baseline: {bm / tm:.2f}x")
+    print(f"all-reduce + barrier: {100 * sync / calls / tm:.1f}% of numatp's prefill")
+    for r in report["ranks"]:
+        pages = ", ".join(f"node {n}: {c}" for n, c in sorted(r["pages"].items()))
+        print(f"socket {r['socket']} weights -> {pages}")
+    print(f"pages on their socket's own node: {100 * report['local_fraction']:.1f}%"
+          + (" (virtual sockets: one node, placement not exercised)" if report["virtual"] else ""))
+    return 0
