@@ -94,7 +94,7 @@ def _now() -> str:
 @functools.lru_cache(maxsize=None)
 def _shape(model: str, tiny: bool) -> tuple[dict[str, Any], int | None]:
     """The zoo's shape summary of ``model`` and its number of positions (None: unlimited)."""
-    from numatp import zoo  # imports torch: only a sweep with a memory guard pays for it
+    from numatp import zoo
 
     if model in zoo.PRESETS:
         cfg = zoo.config(model, tiny=tiny)
