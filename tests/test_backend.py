@@ -142,3 +142,14 @@ def test_concurrent_calls_are_a_clear_error_or_correct():
         release.set()
         t.join()
     assert errors and "one prefill at a time" in errors[0]
+
+
+def test_auto_policy_compiles_and_equals_eager():
+    model = zoo.build("gpt2", tiny=True)
+    inputs = zoo.example_inputs(model, batch=1, seq=16)
+    with torch.inference_mode():
+        compiled = numatp.compile(model, sockets=Topology.virtual(sockets=2), policy="auto", mode="eager")
+        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto")
+    (plan,) = compiled._numatp_backend.plans
+    decided = [b for b in plan.blocks if b.kind != "lm_head"]
+    assert decided and all(b.sharded or "predicted" in b.reason for b in decided)

@@ -118,8 +118,26 @@ class _CompiledGraph:
 
 
 def _default_decider(topology: Topology) -> Callable:
-    from numatp.cost import decide_block
-    return decide_block(topology)
+    """Ask the cost model, with this host's calibrated profile or a built-in estimate, per block."""
+    from numatp.cost import BlockShape, decide, default_profile
+
+    profile = default_profile(topology)
+
+    def decider(cand, sockets: int) -> tuple[bool, str]:
+        # the graph gives tokens (batch x seq) but not the split between them: the attention core is
+        # modelled as one sequence of all tokens, an upper bound on its quadratic term
+        head_dim = 64 if cand.inner % 64 == 0 else cand.inner
+        heads = max(1, cand.inner // head_dim)
+        shape = BlockShape(kind=cand.kind, batch=1, seq=cand.tokens, hidden=cand.hidden, inner=cand.inner,
+                           kv_inner=cand.inner if cand.kind == "attention" else 0,
+                           heads=heads if cand.kind == "attention" else 0,
+                           kv_heads=heads if cand.kind == "attention" else 0,
+                           head_dim=head_dim if cand.kind == "attention" else 0,
+                           dtype="bfloat16" if cand.itemsize == 2 else "float32")
+        (d,) = decide([shape], profile, sockets)
+        return d.choice == "sharded", d.reason
+
+    return decider
 
 
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",
