@@ -177,14 +177,14 @@ def run_sweep(
         "ranks": ranks.to_dict(),
         "versions": _versions(),
     }
-    counts = SweepCounts()
-    bar = tqdm(total=len(configs), unit="run", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    counts = SweepCounts(resumed=sum(c.key in done for c in configs))
+    # Finished configurations start the bar as `initial`, so they do not make the ETA look fast.
+    bar = tqdm(total=len(configs), initial=counts.resumed, unit="run", file=sys.stderr, disable=not progress,
+               dynamic_ncols=True)
     with tempfile.TemporaryDirectory(prefix="numatp-bench-") as scratch:
         for config in configs:
             bar.set_description(f"{Path(config.model).name} b{config.batch} s{config.seq} {config.dtype} {config.mode}")
             if config.key in done:
-                counts.resumed += 1
-                bar.update()
                 continue
             policy = policy_for(config.mode, machine, ranks)
             applied = how if policy.memory != "default" else "none"
