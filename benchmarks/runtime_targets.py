@@ -1,0 +1,125 @@
+"""Issue targets of the runtime, side by side: torch.compile vs numatp on 1 and on 2 sockets.
+
+One child process per (model, sequence, dtype); inside it the modes are compiled, checked against eager,
+warmed up, then timed interleaved (call i of every mode before call i+1 of any), so drift hits all modes
+alike. Prints one JSON line per configuration and a table of ratios at the end.
+
+    python benchmarks/runtime_targets.py --models gpt2 gpt2-medium --seqs 128 512 1024 --dtypes float32 bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, freezing: bool) -> dict:
+    import warnings
+
+    import torch
+
+    import numatp
+    from numatp import zoo
+    from numatp.topology import Topology
+
+    warnings.filterwarnings("ignore")
+    cpus = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cpus)
+    dtype = getattr(torch, dtype_name)
+    model = zoo.build(model_name, dtype=dtype)
+    inputs = zoo.example_inputs(model, batch=1, seq=seq)
+    modes = {}
+    compile_s = {}
+    with torch.inference_mode():
+        expected = model(**inputs).logits
+        builders = {
+            "baseline": lambda: torch.compile(model),
+            "numatp-1": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=1)),
+            "numatp-2": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=2)),
+        }
+        if freezing:
+            builders["baseline-freezing"] = lambda: torch.compile(model, options={"freezing": True})
+        for name, build in builders.items():
+            print(f"  compiling {name}", file=sys.stderr, flush=True)
+            fn = build()
+            t0 = time.perf_counter()
+            out = fn(**inputs).logits
+            compile_s[name] = time.perf_counter() - t0
+            tol = dict(atol=2e-5 * 10, rtol=1e-3) if dtype == torch.float32 else dict(atol=1e-1, rtol=5e-2)
+            torch.testing.assert_close(out, expected, **tol)
+            modes[name] = fn
+        for _ in range(warmup):
+            for fn in modes.values():
+                fn(**inputs)
+        backend = modes["numatp-2"]._numatp_backend
+        for g in backend.graphs:
+            for v in g.variants.values():
+                v.executor.sync_seconds[:] = [0.0] * len(v.executor.sync_seconds)
+        times: dict[str, list[float]] = {k: [] for k in modes}
+        for _ in range(iters):
+            for name, fn in modes.items():
+                t0 = time.perf_counter()
+                fn(**inputs)
+                times[name].append(time.perf_counter() - t0)
+        sync = max(max(v.executor.sync_seconds) for g in backend.graphs for v in g.variants.values())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "model": model_name, "seq": seq, "dtype": dtype_name, "cpus": cpus, "iters": iters,
+        "median_s": med, "cv": {k: statistics.pstdev(v) / statistics.mean(v) for k, v in times.items()},
+        "compile_s": compile_s,
+        "ratio_numatp1_vs_baseline": med["baseline"] / med["numatp-1"],
+        "ratio_numatp2_vs_baseline": med["baseline"] / med["numatp-2"],
+        "sync_share_numatp2": sync / iters / med["numatp-2"],
+        **({"ratio_numatp2_vs_freezing": med["baseline-freezing"] / med["numatp-2"]} if freezing else {}),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["gpt2", "gpt2-medium"], help="zoo presets")
+    p.add_argument("--seqs", nargs="+", type=int, default=[128, 512, 1024], help="sequence lengths (batch 1)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="float32 and/or bfloat16")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls per mode after compiling")
+    p.add_argument("--iters", type=int, default=8, help="timed calls per mode")
+    p.add_argument("--freezing", action="store_true", help="also time torch.compile with freezing=True")
+    p.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    p.add_argument("--child", nargs=3, metavar=("MODEL", "SEQ", "DTYPE"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child[0], int(a.child[1]), a.child[2], a.warmup, a.iters, a.freezing)))
+        return 0
+    rows = []
+    configs = [(m, s, d) for m in a.models for d in a.dtypes for s in a.seqs]
+    for i, (m, s, d) in enumerate(configs, 1):
+        print(f"[{i}/{len(configs)}] {m} seq {s} {d}", file=sys.stderr, flush=True)
+        cmd = [sys.executable, __file__, "--child", m, str(s), d, "--warmup", str(a.warmup), "--iters", str(a.iters)]
+        cmd += ["--freezing"] if a.freezing else []
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
+        if r.returncode:
+            continue
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    print(f"\n{'model':<12} {'seq':>5} {'dtype':<9} {'base ms':>8} {'tp1/base':>9} {'tp2/base':>9} "
+          f"{'sync%':>6}" + (f" {'tp2/freeze':>10}" if a.freezing else ""))
+    for r in rows:
+        line = (f"{r['model']:<12} {r['seq']:>5} {r['dtype']:<9} {1e3 * r['median_s']['baseline']:>8.1f} "
+                f"{r['ratio_numatp1_vs_baseline']:>9.2f} {r['ratio_numatp2_vs_baseline']:>9.2f} "
+                f"{100 * r['sync_share_numatp2']:>6.1f}")
+        if a.freezing:
+            line += f" {r['ratio_numatp2_vs_freezing']:>10.2f}"
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
