@@ -19,11 +19,12 @@ from numatp.backend.weights import WeightStore
 from numatp.plan import capture, localize, plan_graph, trace_aten
 from numatp.plan.schema import Plan
 from numatp.runtime.executor import ShardedExecutor
+from numatp.runtime.gemm_pass import GemmOptions, GemmSelector
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import SegmentCompiler
 from numatp.topology import Topology
 
-__all__ = ["compile", "numatp_backend", "NumaTPBackend", "placement_report", "resolve_topology"]
+__all__ = ["compile", "default_decider", "numatp_backend", "NumaTPBackend", "placement_report", "resolve_topology"]
 
 log = logging.getLogger("numatp")
 
@@ -49,16 +50,18 @@ def resolve_topology(sockets: None | int | Topology) -> Topology:
 @dataclass
 class _Variant:
     plan: Plan
-    executor: ShardedExecutor
+    executor: ShardedExecutor | None
     bindings: list
     build_seconds: float = 0.0
+    baseline: Callable | None = None   # policy "auto" chose plain Inductor on all cores for this graph
 
 
 class NumaTPBackend:
     """A Dynamo backend bound to a topology, a policy and (optionally) the model's parameter names."""
 
     def __init__(self, topology: Topology, *, policy: str = "always", names: dict[int, str] | None = None,
-                 decide: Callable | None = None, mode: str = "inductor", strict_placement: bool = False):
+                 decide: Callable | None = None, mode: str = "inductor", strict_placement: bool = False,
+                 gemm: bool | GemmOptions | None = None):
         if policy not in ("always", "never", "auto"):
             raise ValueError(f"policy={policy!r}: choose 'always', 'never' or 'auto'")
         self.topology = topology
@@ -68,6 +71,7 @@ class NumaTPBackend:
         self.group = SocketGroup(topology)
         self.compiler = SegmentCompiler(mode=mode)
         self.weights = WeightStore(topology, strict=strict_placement)
+        self.gemm = _gemm_selector(gemm, mode)
         self.graphs: list[_CompiledGraph] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -91,6 +95,8 @@ class _CompiledGraph:
         key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
         with self._lock:
             variant = self.variants.get(key) or self._build(key, list(args))
+        if variant.baseline is not None:
+            return variant.baseline(*args)
         b = self.backend
         local = [b.weights.local_args(variant.bindings[r], list(args), r) for r in range(b.topology.num_sockets)]
         return variant.executor.run(local)
@@ -103,13 +109,31 @@ class _CompiledGraph:
         ag = trace_aten(self.gm, args, b.names)
         decide = None
         if b.policy == "auto":
-            decide = b.decide or _default_decider(b.topology)
+            decide = b.decide or default_decider(b.topology)
         plan = plan_graph(ag, n, policy=b.policy, decide=decide)
+        if b.policy == "auto" and not any(blk.sharded for blk in plan.blocks if blk.kind != "lm_head"):
+            # no block pays for sharding: replicated blocks would run on one socket's cores each, so
+            # the whole graph runs as plain torch.compile on all cores instead (never slower than it)
+            if b.compiler.mode == "eager":
+                fn = self.gm
+            else:
+                from torch._inductor.compile_fx import compile_fx
+                with torch.no_grad():
+                    fn = compile_fx(self.gm, args)
+            variant = _Variant(plan, None, [], time.perf_counter() - t0, baseline=fn)
+            self.variants[key] = variant
+            log.info("numatp: policy auto keeps this graph unsharded (plain Inductor)")
+            return variant
         programs = [localize(ag, r) for r in range(n)]
         bindings = [p.bindings for p in programs]
         local = [b.weights.local_args(bindings[r], args, r) for r in range(n)]
-        executor = ShardedExecutor(b.group, b.compiler)
-        executor.build([p.gm for p in programs], local)
+        executor = ShardedExecutor(b.group, b.compiler, gemm=b.gemm)
+        executor.build([p.gm for p in programs], local,
+                       weights=[{i for i, bd in enumerate(p.bindings) if bd.placement is not None} for p in programs])
+        for r, swaps in enumerate(executor.swaps):
+            for plain, prepared in swaps.values():
+                b.weights.replace(r, plain, prepared)
+        local = [b.weights.local_args(bindings[r], args, r) for r in range(n)]
         executor.warm(local)
         variant = _Variant(plan, executor, bindings, time.perf_counter() - t0)
         self.variants[key] = variant
@@ -117,7 +141,7 @@ class _CompiledGraph:
         return variant
 
 
-def _default_decider(topology: Topology) -> Callable:
+def default_decider(topology: Topology) -> Callable:
     """Ask the cost model, with this host's calibrated profile or a built-in estimate, per block."""
     from numatp.cost import BlockShape, decide, default_profile
 
@@ -135,23 +159,44 @@ def _default_decider(topology: Topology) -> Callable:
                            head_dim=head_dim if cand.kind == "attention" else 0,
                            dtype="bfloat16" if cand.itemsize == 2 else "float32")
         (d,) = decide([shape], profile, sockets)
-        return d.choice == "sharded", d.reason
+        times = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in d.times.items())
+        # a block numatp does not shard runs whole on every socket's own cores: its cost is "one-socket"
+        ok = d.times["sharded"] < d.times["one-socket"]
+        return ok, f"{d.reason} (predicted: {times})"
 
     return decider
 
 
+def _gemm_selector(gemm: bool | GemmOptions | None, mode: str) -> GemmSelector | None:
+    """``gemm``: None = numatp's default (GEMM_DEFAULT), False = Inductor's own matmuls, True = measured
+    providers with default options, or :class:`GemmOptions`."""
+    if gemm is None:
+        gemm = GEMM_DEFAULT
+    if gemm is False or mode == "eager":
+        return None
+    return GemmSelector(gemm if isinstance(gemm, GemmOptions) else GemmOptions())
+
+
+GEMM_DEFAULT = False
+"""Whether numatp picks measured GEMM providers when ``gemm`` is not given."""
+
+
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",
-            mode: str = "inductor", strict_placement: bool = False) -> torch.nn.Module:
+            mode: str = "inductor", strict_placement: bool = False,
+            gemm: bool | GemmOptions | None = None) -> torch.nn.Module:
     """``torch.compile(model)`` with NUMA-aware tensor parallelism over ``sockets``.
 
     ``sockets``: None uses the detected topology; an int N its first N sockets (N virtual sockets on a
     single-node machine); or a :class:`numatp.Topology`. ``policy``: "always" shards every block numatp
     understands, "never" none (the per-socket machinery with replicated work), "auto" asks the cost model
-    per block. ``mode="eager"`` skips Inductor (debugging).
+    per block. ``mode="eager"`` skips Inductor (debugging). ``gemm``: pick each weight matmul's kernel
+    (MKL, oneDNN, packed or not) by measuring it on this CPU (``True``, or :class:`GemmOptions`), keep
+    Inductor's (``False``), or numatp's default (``None``).
     """
     topology = resolve_topology(sockets)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    backend = NumaTPBackend(topology, policy=policy, names=names, mode=mode, strict_placement=strict_placement)
+    backend = NumaTPBackend(topology, policy=policy, names=names, mode=mode, strict_placement=strict_placement,
+                            gemm=gemm)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     compiled._numatp_backend = backend  # type: ignore[attr-defined]
     return compiled

@@ -48,6 +48,13 @@ class WeightStore:
             self._made[key] = local
         return self._made[key]
 
+    def replace(self, rank: int, plain: torch.Tensor, prepared: torch.Tensor) -> None:
+        """From now on hand out ``prepared`` (e.g. a GEMM-packed weight made on the socket) where ``rank``
+        got ``plain``; the store drops its reference to ``plain``, so no second copy stays alive here."""
+        for key, t in self._made.items():
+            if key[-1] == rank and t is plain:
+                self._made[key] = prepared
+
     def _note_virtual(self) -> None:
         if not self._warned:
             self._warned = True
@@ -57,11 +64,16 @@ class WeightStore:
     def report(self) -> dict[str, Any]:
         """Pages per node of each socket's weights, and the share of pages on the socket's own node."""
         ranks = []
-        local = total = 0
+        local = total = opaque = 0
         for r, sock in enumerate(self.topology.sockets):
             pages: dict[int, int] = {}
             for key, t in self._made.items():
                 if key[-1] != r:
+                    continue
+                if t.layout != torch.strided:
+                    # a packed GEMM weight (oneDNN/MKL opaque tensor) has no data pointer to ask the
+                    # kernel about; it was allocated by the socket's worker, under its memory binding
+                    opaque += 1
                     continue
                 for node, n in pages_by_node(t).items():
                     pages[node] = pages.get(node, 0) + n
@@ -69,4 +81,4 @@ class WeightStore:
             local += pages.get(sock.node, 0)
             total += sum(n for node, n in pages.items() if node >= 0)
         return {"ranks": ranks, "local_fraction": (local / total) if total else 0.0,
-                "virtual": self.topology.is_virtual, "tensors": len(self._made)}
+                "virtual": self.topology.is_virtual, "tensors": len(self._made), "packed_tensors": opaque}

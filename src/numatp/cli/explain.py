@@ -22,8 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batch", type=int, default=1, help="batch size of the traced prefill (default 1)")
     p.add_argument("--seq", type=int, default=128, help="sequence length of the traced prefill (default 128)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
-    p.add_argument("--policy", choices=("always", "never"), default="always",
-                   help="'always' shards every block the pass understands, 'never' none")
+    p.add_argument("--policy", choices=("always", "never", "auto"), default="always",
+                   help="'always' shards every block the pass understands, 'never' none, 'auto' asks the cost "
+                   "model per block and shows its predicted times")
     p.add_argument("--tiny", action="store_true", help="use the shrunken test config of the preset")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)
@@ -40,8 +41,12 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
     model = zoo.build(model_name, tiny=tiny, dtype=getattr(torch, dtype))
     graphs = capture(model, **zoo.example_inputs(model, batch=batch, seq=seq))
     out = {"model": model_name, "sockets": sockets, "batch": batch, "seq": seq, "dtype": dtype, "graphs": []}
+    decide = None
+    if policy == "auto":
+        from numatp.backend import default_decider, resolve_topology
+        decide = default_decider(resolve_topology(sockets))
     for ag, _ in graphs:
-        plan = plan_graph(ag, sockets, policy=policy)
+        plan = plan_graph(ag, sockets, policy=policy, decide=decide)
         weights = []
         for name, uses in plan.weights.items():
             for u in uses:

@@ -82,7 +82,8 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
     matmuls = find_weight_matmuls(gm, params)
     by_node = {m.node: m for m in matmuls}
     excluded: set[torch.fx.Node] = set()
-    reasons: dict[torch.fx.Node, str] = {}   # row (or LM-head) node -> why it stays replicated
+    reasons: dict[torch.fx.Node, tuple[str, str, str]] = {}  # row (or LM head) -> (kind, module, why) if replicated
+    accepted: dict[torch.fx.Node, str] = {}  # row -> the decider's reason to shard
     no_lm_head: set[torch.fx.Node] = set()
     narrowed: set[torch.fx.Node] = set()   # rows whose block retries with only the widest columns split
     while True:
@@ -109,8 +110,9 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
                 ok, why = decide(cand, sockets)
                 if not ok:
                     excluded |= {row.node, *(c.node for c in cols)}
-                    reasons[row.node] = why
+                    reasons[row.node] = (cand.kind, module, why)
                     continue
+                accepted[row.node] = why
             for c in split:
                 column_sets[c.node] = (bid, sets[c.node])
             rows[row.node] = bid
@@ -134,13 +136,14 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
             row, cols, _ = members[e.block]
             if row is None:
                 no_lm_head.add(cols[0].node)
-                reasons[cols[0].node] = e.reason
+                reasons[cols[0].node] = ("lm_head", _module([names[cols[0].param]]), e.reason)
             elif row.node not in narrowed and len({c.out_features for c in cols}) > 1:
                 narrowed.add(row.node)
             else:
                 excluded |= {row.node, *(c.node for c in cols)}
-                reasons[row.node] = e.reason
-    return _schema(gm, sockets, matmuls, members, reasons, names, params, by_node)
+                kind = "attention" if _has_attention(row, cols) else "mlp"
+                reasons[row.node] = (kind, _module([names[m.param] for m in [*cols, row]]), e.reason)
+    return _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node)
 
 
 def _reaches_output(node: torch.fx.Node) -> bool:
@@ -189,7 +192,7 @@ def replica_users(param: torch.fx.Node, by_node: dict[torch.fx.Node, WeightMatmu
     return [u for u in param.users if not sharded_use(u)]
 
 
-def _schema(gm, sockets, matmuls, members, reasons, names, params, by_node) -> Plan:
+def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node) -> Plan:
     kinds: dict[int, str] = {}
     gathers = 0
     for node in gm.graph.nodes:
@@ -215,13 +218,13 @@ def _schema(gm, sockets, matmuls, members, reasons, names, params, by_node) -> P
             kind = kinds.get(bid, "mlp")
             reason = "column/row parallel" + (
                 f"; {', '.join(names[c.param] for c in rep)} replicated: too few heads to split" if rep else "")
+            if row.node in accepted:
+                reason += f"; {accepted[row.node]}"
         blocks.append(Block(kind, module, tuple(names[c.param] for c in split),
                             names[row.param] if row else None, True, reason,
                             tuple(names[c.param] for c in rep)))
-    for node, why in reasons.items():
-        m = by_node[node]
-        blocks.append(Block("mlp" if m.out_features < 2 * m.in_features else "lm_head", _module([names[m.param]]),
-                            (), names[m.param], False, why))
+    for node, (kind, module, why) in reasons.items():
+        blocks.append(Block(kind, module, (), names[by_node[node].param], False, why))
     for node in gm.graph.nodes:
         info = node.meta["numatp"]
         if info.role is None or node not in by_node:
