@@ -1,0 +1,234 @@
+"""GEMM providers for weight matmuls, measured per shape and cached on disk per CPU.
+
+A weight matmul of a socket program is ``y (M, N) = x (M, K) @ W (K, N) [+ b]``, with the weight stored
+either ``"nk"`` (``nn.Linear``: ``(N, K)``, the graph reads it through ``permute([1, 0])``) or ``"kn"``
+(GPT-2 ``Conv1D``). torch ships several kernels for it, and which is fastest depends on the CPU, the
+dtype, the shape and the thread count (on an AVX2-only EPYC, an AVX-512 Xeon and an AVX-512 EPYC the
+answers differ), so numatp measures them:
+
+- ``aten``: ``torch.mm`` / ``addmm``, what Inductor calls by default (MKL for fp32 on x86);
+- ``onednn``: ``mkldnn._linear_pointwise`` on the plain weight;
+- ``onednn_packed``: the same op on a weight reordered once by ``mkldnn._reorder_linear_weight``;
+- ``mkl_packed``: ``mkl._mkl_linear`` on a weight packed once by ``mkl._mkl_reorder_linear_weight`` (fp32).
+
+Packed weights are opaque tensors (``layout=torch._mkldnn``), so a packed provider replaces the plain
+shard and runs outside Inductor (see :mod:`numatp.runtime.gemm_pass`). Rates are GFLOP/s (``2 M K N``
+per call), keyed by ``(dtype, M, K, N, layout, threads)`` in ``gemm-<cpu signature>.json``; the
+signature hashes the CPU's model and flags and the torch version, so another CPU re-measures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+import torch
+
+__all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "cpu_signature", "ceilings",
+           "best_provider", "default_cache_dir"]
+
+mkldnn = torch.ops.mkldnn
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One weight matmul as seen by one socket: ``(M, K) @ (K, N)`` with ``threads`` intra-op threads."""
+
+    m: int
+    k: int
+    n: int
+    dtype: str          # "float32" or "bfloat16"
+    layout: str         # "nk" (nn.Linear weight) or "kn" (Conv1D weight)
+    threads: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.dtype}|{self.m}|{self.k}|{self.n}|{self.layout}|t{self.threads}"
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.k * self.n
+
+
+@dataclass(frozen=True)
+class Provider:
+    """A way to compute ``x @ W + b``: ``prepare`` makes the operand kept per socket, ``call`` runs it.
+
+    ``prepare(w_nk, m)`` gets the weight as an ``(N, K)`` tensor (a view for "kn" weights) and the
+    number of rows it will be called with; ``call(x, operand, bias, n, k)`` returns ``(M, N)``.
+    """
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    packed: bool        # the operand is an opaque packed tensor that replaces the plain weight
+    prepare: Callable[[torch.Tensor, int], torch.Tensor]
+    call: Callable[..., torch.Tensor]
+
+
+def _aten_call(x, w_nk, bias, n, k):
+    return torch.mm(x, w_nk.t()) if bias is None else torch.addmm(bias, x, w_nk.t())
+
+
+def _onednn_call(x, w, bias, n, k):
+    return mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def _mkl_pack(w_nk, m):
+    return torch.ops.mkl._mkl_reorder_linear_weight(w_nk.contiguous(), m)
+
+
+def _mkl_call(x, packed, bias, n, k):
+    # _mkl_linear reads the original weight only for its shape (and as a fallback when M differs from
+    # the packing's M): a stride-0 stand-in keeps no second copy; gemm_pass checks that M matches
+    stand_in = x.new_empty(1).expand(n, k)
+    return torch.ops.mkl._mkl_linear(x, packed, stand_in, bias, x.shape[0])
+
+
+PROVIDERS: dict[str, Provider] = {
+    "aten": Provider("aten", (torch.float32, torch.bfloat16), False, lambda w, m: w, _aten_call),
+    # oneDNN's linear takes a contiguous (N, K) weight: a Conv1D (K, N) weight gets a transposed copy
+    # that replaces the plain one
+    "onednn": Provider("onednn", (torch.float32, torch.bfloat16), False, lambda w, m: w.contiguous(),
+                       _onednn_call),
+    "onednn_packed": Provider("onednn_packed", (torch.float32, torch.bfloat16), True,
+                              lambda w, m: mkldnn._reorder_linear_weight(w.contiguous(), m), _onednn_call),
+    "mkl_packed": Provider("mkl_packed", (torch.float32,), True, _mkl_pack, _mkl_call),
+}
+
+
+def measure(provider: Provider, shape: GemmShape, *, min_seconds: float = 0.15, max_calls: int = 20,
+            seed: int = 0) -> float:
+    """GFLOP/s of ``provider`` at ``shape`` on the calling thread (its thread count and pinning).
+
+    One warm-up call, then calls until ``min_seconds`` or ``max_calls``; the median time counts. Returns
+    0.0 where the provider does not support the dtype or the CPU (e.g. oneDNN bf16 reorders need
+    AVX-512 or AVX-NE-CONVERT).
+    """
+    dtype = getattr(torch, shape.dtype)
+    if dtype not in provider.dtypes:
+        return 0.0
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape.m, shape.k, generator=g).to(dtype)
+    w = torch.randn(shape.n, shape.k, generator=g).to(dtype) if shape.layout == "nk" else \
+        torch.randn(shape.k, shape.n, generator=g).to(dtype).t()
+    bias = torch.randn(shape.n, generator=g).to(dtype)
+    with torch.inference_mode():
+        try:
+            op = provider.prepare(w, shape.m)
+            provider.call(x, op, bias, shape.n, shape.k)
+        except RuntimeError:
+            return 0.0
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < max_calls and (len(times) < 2 or time.perf_counter() - start < min_seconds):
+            t0 = time.perf_counter()
+            provider.call(x, op, bias, shape.n, shape.k)
+            times.append(time.perf_counter() - t0)
+    return shape.flops / statistics.median(times) / 1e9
+
+
+def cpu_signature() -> str:
+    """A short hash of this CPU (vendor, family, model, model name, flags) and the torch build."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor is enough
+                k, _, v = line.partition(":")
+                if k.strip() in ("vendor_id", "cpu family", "model", "model name", "flags"):
+                    fields[k.strip()] = v.strip()
+    except OSError:
+        import platform
+        fields["machine"] = platform.processor() or platform.machine()
+    fields["torch"] = torch.__version__
+    fields["mkldnn"] = str(torch.backends.mkldnn.is_available())
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """``~/.cache/numatp`` (``$XDG_CACHE_HOME/numatp`` where that is set)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "numatp"
+
+
+class GemmTable:
+    """The measured rates of this CPU: ``{shape key: {provider: GFLOP/s}}`` in one JSON file.
+
+    Writes go to a temporary file renamed over the old one, so a reader never sees half a file; entries
+    of other processes written since the load are merged in, not overwritten.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike | None = None):
+        self.path = Path(cache_dir or default_cache_dir()) / f"gemm-{cpu_signature()}.json"
+        self._lock = threading.Lock()
+        self.entries: dict[str, dict[str, float]] = self._read()
+        self.measured = 0   # shapes measured by this table (not served from the file)
+
+    def _read(self) -> dict[str, dict[str, float]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data.get("rates", {}) if isinstance(data, dict) else {}
+
+    def get(self, shape: GemmShape) -> dict[str, float] | None:
+        with self._lock:
+            return self.entries.get(shape.key)
+
+    def put(self, results: dict[GemmShape, dict[str, float]]) -> None:
+        with self._lock:
+            self.measured += len(results)
+            merged = self._read()
+            merged.update(self.entries)
+            merged.update({s.key: r for s, r in results.items()})
+            self.entries = merged
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".gemm-", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"cpu": cpu_signature(), "unit": "GFLOP/s", "rates": merged}, f, indent=1,
+                          sort_keys=True)
+            os.replace(tmp, self.path)
+
+    def measure_missing(self, shapes: list[GemmShape], providers: list[str]) -> dict[GemmShape, dict[str, float]]:
+        """Measure on the calling thread the shapes (or providers) not in the table; returns the new rates."""
+        out: dict[GemmShape, dict[str, float]] = {}
+        for s in dict.fromkeys(shapes):
+            have = self.get(s) or {}
+            todo = [p for p in providers if p not in have]
+            if todo:
+                out[s] = {**have, **{p: round(measure(PROVIDERS[p], s), 2) for p in todo}}
+        return out
+
+
+def ceilings(dtype: str | torch.dtype, *, cache_dir: str | os.PathLike | None = None,
+             threads: int | None = None) -> dict[str, float]:
+    """Best measured GFLOP/s per provider for ``dtype`` on this CPU (optionally at one thread count).
+
+    Read from the on-disk table that compiling and ``benchmarks/gemm_providers.py`` fill; empty when
+    nothing was measured yet. This is the GEMM roofline ``numatp explain`` and ``calibrate`` report.
+    """
+    name = str(dtype).removeprefix("torch.")
+    best: dict[str, float] = {}
+    for key, rates in GemmTable(cache_dir).entries.items():
+        parts = key.split("|")
+        if parts[0] != name or (threads is not None and parts[-1] != f"t{threads}"):
+            continue
+        for p, r in rates.items():
+            best[p] = max(best.get(p, 0.0), r)
+    return best
+
+
+def best_provider(rates: dict[str, float], allowed: list[str], *, margin: float = 1.05) -> str:
+    """The fastest allowed provider; ``aten`` (the unchanged graph) unless another beats it by ``margin``."""
+    base = rates.get("aten", 0.0)
+    name, rate = max(((p, rates.get(p, 0.0)) for p in allowed), key=lambda pr: pr[1])
+    return name if name != "aten" and rate > base * margin else "aten"
+

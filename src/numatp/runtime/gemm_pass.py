@@ -1,0 +1,303 @@
+"""Choose a GEMM provider per weight matmul of the socket programs, and pack weights on their sockets.
+
+Before the programs are cut into segments, :meth:`GemmSelector.apply`
+1. finds the weight matmuls: ``aten.mm(x, W)`` / ``aten.addmm(b, x, W)`` where ``W`` is a weight
+   placeholder, or ``permute(W, [1, 0])`` / ``t(W)`` of one;
+2. looks up each local shape's rates in the on-disk :class:`~numatp.runtime.gemm.GemmTable`, and measures
+   the missing ones on the socket workers (pinned, all sockets at once, as they will run);
+3. keeps ``aten`` (the graph unchanged) unless another provider is faster by the margin; a weight whose
+   uses do not all agree stays ``aten``;
+4. rewrites each chosen matmul to ``numatp::gemm(x, W, b, provider, layout)``, a cut point of the program
+   like a collective: the executor calls the provider there, outside Inductor, because packed weights
+   are opaque tensors Inductor cannot take as inputs;
+5. prepares each weight's operand in its socket's worker, so a packed weight is allocated under that
+   socket's memory binding; the caller swaps it for the plain shard (no second copy is kept).
+
+A packed operand carries its :class:`PackInfo` (``operand._numatp_gemm``), so a later variant of the same
+graph (another sequence length) reuses it: oneDNN and MKL packed weights serve any M.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, Provider, best_provider
+
+__all__ = ["GemmOptions", "GemmSelector", "GemmStep", "PackInfo", "GEMM_OP", "gemm"]
+
+log = logging.getLogger("numatp")
+aten = torch.ops.aten
+
+
+@torch.library.custom_op("numatp::gemm", mutates_args=())
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str, layout: str) -> torch.Tensor:
+    """``x @ W (+ bias)`` by ``provider``; ``layout`` says how ``w`` is stored ("nk" or "kn").
+
+    The runtime calls the provider directly (its operand may be packed); this body is the reference
+    for running a rewritten program outside numatp's executor, on the plain weight.
+    """
+    w_kn = w.t() if layout == "nk" else w
+    return torch.mm(x, w_kn) if bias is None else torch.addmm(bias, x, w_kn)
+
+
+@gemm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str, layout: str) -> torch.Tensor:
+    n = w.shape[0] if layout == "nk" else w.shape[1]
+    return x.new_empty((x.shape[0], n))
+
+
+GEMM_OP = torch.ops.numatp.gemm.default
+
+_mkl_f32 = PROVIDERS["mkl_packed"]
+
+
+def _upcast_pack(w_nk: torch.Tensor, m: int) -> torch.Tensor:
+    return _mkl_f32.prepare(w_nk.float(), m)
+
+
+def _upcast_call(x, packed, bias, n, k):
+    y = _mkl_f32.call(x.float(), packed, None if bias is None else bias.float(), n, k)
+    return y.to(x.dtype)
+
+
+# bf16 in and out, fp32 MKL on an fp32 packed weight: for CPUs without bf16 GEMM units (AVX2), where
+# torch's bf16 kernels fall back to slow reference loops. Its operand is twice the bf16 weight's bytes.
+PROVIDERS.setdefault("mkl_packed_f32", Provider("mkl_packed_f32", (torch.bfloat16,), True, _upcast_pack,
+                                                _upcast_call))
+
+DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32")
+
+
+@dataclass(frozen=True)
+class GemmOptions:
+    """How numatp picks GEMM providers."""
+
+    providers: tuple[str, ...] = DEFAULT_PROVIDERS
+    """Candidates; ``aten`` (the unchanged graph) is always one."""
+    force: str | None = None
+    """Use this provider wherever it supports the dtype, without measuring (tests, experiments)."""
+    cache_dir: str | None = None
+    """Folder of the measured-rate table; ``None``: ``~/.cache/numatp``."""
+    margin: float = 1.05
+    """A provider replaces ``aten`` only when measured faster by this factor."""
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in (*self.providers, *([self.force] if self.force else [])) if p not in PROVIDERS]
+        if unknown:
+            raise ValueError(f"GemmOptions: unknown GEMM provider(s) {unknown}; choose from {sorted(PROVIDERS)}")
+
+
+@dataclass(frozen=True)
+class PackInfo:
+    """What a prepared operand is: its provider, the plain weight's shape/dtype/layout, the M it was packed for."""
+
+    provider: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: str
+    m: int
+
+
+@dataclass
+class GemmStep:
+    """A weight matmul the executor runs itself: ``env[dst] = provider(env[x], env[w], env[bias])``."""
+
+    provider: str
+    x: str
+    w: str
+    bias: str | None
+    dst: str
+    n: int
+    k: int
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.w] + ([self.bias] if self.bias else [])
+
+    def __call__(self, env: dict[str, Any]) -> torch.Tensor:
+        b = env[self.bias] if self.bias else None
+        return PROVIDERS[self.provider].call(env[self.x], env[self.w], b, self.n, self.k)
+
+
+@dataclass
+class _Site:
+    node: torch.fx.Node
+    x: torch.fx.Node
+    weight: torch.fx.Node      # the placeholder
+    bias: torch.fx.Node | None
+    shape: GemmShape
+
+
+@dataclass
+class GemmChoice:
+    """One rank's decisions: provider per weight placeholder, and the measured rates behind them."""
+
+    rank: int
+    providers: dict[str, str] = field(default_factory=dict)      # placeholder -> provider
+    rates: dict[str, dict[str, float]] = field(default_factory=dict)  # placeholder -> provider -> GFLOP/s
+    shapes: dict[str, GemmShape] = field(default_factory=dict)
+
+
+class GemmSelector:
+    """Applies :class:`GemmOptions` to socket programs; one per compiled model (it holds the rate table)."""
+
+    def __init__(self, options: GemmOptions | None = None):
+        self.options = options or GemmOptions()
+        self.table = GemmTable(self.options.cache_dir)
+        self.choices: list[GemmChoice] = []
+
+    def apply(self, group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]],
+              weights: list[set[int]]) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list[dict[int, tuple]]]:
+        """Rewritten programs, their arguments (prepared operands in place of plain shards), and per rank
+        ``{argument index: (plain, operand)}`` for the weights whose operand is new."""
+        threads = [len(s.cpus) for s in group.topology.sockets]
+        sites = [_find_sites(gm, a, w, t) for gm, a, w, t in zip(gms, args, weights, threads)]
+        self._measure(group, sites, args)
+        swaps: list[dict[int, tuple]] = [{} for _ in gms]
+        todo: list[dict[int, tuple[Provider, torch.Tensor, int, str]]] = [{} for _ in gms]
+        self.choices = []
+        for rank, (gm, rank_sites) in enumerate(zip(gms, sites)):
+            names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            choice = GemmChoice(rank)
+            for ph, group_sites in rank_sites.items():
+                idx = names.index(ph.name)
+                info = getattr(args[rank][idx], "_numatp_gemm", None)
+                prov = info.provider if info else self._decide(group_sites)
+                s0 = group_sites[0].shape
+                choice.providers[ph.name] = prov
+                choice.shapes[ph.name] = s0
+                choice.rates[ph.name] = self.table.get(s0) or {}
+                if prov == "aten":
+                    continue
+                for site in group_sites:
+                    _rewrite(gm, site, prov)
+                for u in list(ph.users):  # transposes only the rewritten matmuls read
+                    if u.target in (aten.permute.default, aten.t.default) and not u.users:
+                        gm.graph.erase_node(u)
+                if info is None:
+                    todo[rank][idx] = (PROVIDERS[prov], args[rank][idx], s0.m, s0.layout)
+            gm.graph.lint()
+            gm.recompile()
+            self.choices.append(choice)
+        made = group.run(lambda rank: {i: _prepare(p, w, m, lay) for i, (p, w, m, lay) in todo[rank].items()})
+        new_args = [list(a) for a in args]
+        for rank, ops in enumerate(made):
+            for i, op in ops.items():
+                swaps[rank][i] = (args[rank][i], op)
+                new_args[rank][i] = op
+        return gms, new_args, swaps
+
+    def _decide(self, sites: list[_Site]) -> str:
+        allowed = [p for p in ("aten", *self.options.providers)
+                   if getattr(torch, sites[0].shape.dtype) in PROVIDERS[p].dtypes]
+        if self.options.force:
+            return self.options.force if self.options.force in allowed else "aten"
+        picks = {best_provider(self.table.get(s.shape) or {}, allowed, margin=self.options.margin) for s in sites}
+        return picks.pop() if len(picks) == 1 else "aten"
+
+    def _measure(self, group: Any, sites: list[dict], args: list[list[Any]]) -> None:
+        if self.options.force:
+            return
+        providers = ["aten", *[p for p in self.options.providers if p != "aten"]]
+        wanted = [[s.shape for ss in rank_sites.values() for s in ss] for rank_sites in sites]
+        if not any(self.table.get(s) is None for w in wanted for s in w):
+            return
+        # every socket measures its own shapes at the same time, so each rate is taken under the load
+        # of the other sockets, as in a real call
+        found = group.run(lambda rank: self.table.measure_missing(wanted[rank], providers))
+        merged: dict[GemmShape, dict[str, float]] = {}
+        for rates in found:
+            for shape, r in rates.items():
+                merged[shape] = {p: min(v, merged.get(shape, {}).get(p, v)) for p, v in r.items()}
+        if merged:
+            log.info("numatp: measured %d GEMM shapes (%s)", len(merged), self.table.path)
+            self.table.put(merged)
+
+    def report(self) -> list[dict[str, Any]]:
+        """Per rank and weight: the shape, the chosen provider and its measured rate (for ``explain``)."""
+        rows = []
+        for c in self.choices:
+            for ph, prov in c.providers.items():
+                s = c.shapes[ph]
+                rows.append({"rank": c.rank, "weight": ph, "m": s.m, "k": s.k, "n": s.n, "dtype": s.dtype,
+                             "threads": s.threads, "provider": prov, "gflops": c.rates[ph].get(prov),
+                             "rates": c.rates[ph]})
+        return rows
+
+
+def stand_in(t: Any) -> Any:
+    """A dense tensor of a prepared operand's plain shape, for shape propagation (no storage of its size)."""
+    info = getattr(t, "_numatp_gemm", None)
+    if info is None:
+        return t
+    return torch.empty(1, dtype=info.dtype).expand(info.shape)
+
+
+def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str) -> torch.Tensor:
+    w_nk = w if layout == "nk" else w.t()
+    with torch.no_grad():
+        op = provider.prepare(w_nk, m)
+    if op is w_nk:  # dense providers keep the plain weight; nothing to swap
+        op = w
+    else:
+        op._numatp_gemm = PackInfo(provider.name, tuple(w.shape), w.dtype, layout, m)
+    return op
+
+
+def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int],
+                threads: int) -> dict[torch.fx.Node, list[_Site]]:
+    """Weight matmuls grouped by weight placeholder; weights with any other use are left out."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(stand_in(a)) if isinstance(a, torch.Tensor) else a
+                                         for a in args])
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out: dict[torch.fx.Node, list[_Site]] = {}
+    for i in sorted(weights):
+        ph = placeholders[i]
+        sites: list[_Site] = []
+        ok = ph.meta["val"].dim() == 2 and ph.meta["val"].dtype in (torch.float32, torch.bfloat16)
+        for u in list(ph.users) if ok else []:
+            if u.target in (aten.permute.default, aten.t.default) and (u.target is aten.t.default
+                                                                        or list(u.args[1]) == [1, 0]):
+                for v in u.users:
+                    site = _site(v, u, ph, "nk", threads)
+                    ok = ok and site is not None
+                    sites.append(site)
+            else:
+                site = _site(u, ph, ph, "kn", threads)
+                ok = ok and site is not None
+                sites.append(site)
+        if ok and sites:
+            out[ph] = sites
+    return out
+
+
+def _site(node: torch.fx.Node, w: torch.fx.Node, ph: torch.fx.Node, layout: str, threads: int) -> _Site | None:
+    if node.target is aten.mm.default and node.args[1] is w and node.args[0] is not w:
+        x, bias = node.args[0], None
+    elif (node.target is aten.addmm.default and node.args[2] is w and not node.kwargs
+          and node.args[1] is not w and node.args[0].meta["val"].dim() == 1):
+        bias, x = node.args[0], node.args[1]
+    else:
+        return None
+    xv, wv = x.meta["val"], ph.meta["val"]
+    if xv.dim() != 2 or xv.dtype != wv.dtype:
+        return None
+    n, k = (wv.shape[0], wv.shape[1]) if layout == "nk" else (wv.shape[1], wv.shape[0])
+    shape = GemmShape(int(xv.shape[0]), int(k), int(n), str(wv.dtype).removeprefix("torch."), layout, threads)
+    return _Site(node, x, ph, bias, shape)
+
+
+def _rewrite(gm: torch.fx.GraphModule, site: _Site, provider: str) -> None:
+    with gm.graph.inserting_before(site.node):
+        new = gm.graph.call_function(GEMM_OP, (site.x, site.weight, site.bias, provider, site.shape.layout))
+    new.meta = dict(site.node.meta)
+    site.node.replace_all_uses_with(new)
+    gm.graph.erase_node(site.node)
