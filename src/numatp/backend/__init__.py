@@ -71,7 +71,7 @@ class NumaTPBackend:
         self.group = SocketGroup(topology)
         self.compiler = SegmentCompiler(mode=mode)
         self.weights = WeightStore(topology, strict=strict_placement)
-        self.gemm = _gemm_selector(gemm, mode)
+        self.gemm = _gemm_selector(gemm)
         self.graphs: list[_CompiledGraph] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
@@ -167,12 +167,12 @@ def default_decider(topology: Topology) -> Callable:
     return decider
 
 
-def _gemm_selector(gemm: bool | GemmOptions | None, mode: str) -> GemmSelector | None:
+def _gemm_selector(gemm: bool | GemmOptions | None) -> GemmSelector | None:
     """``gemm``: None = numatp's default (GEMM_DEFAULT), False = Inductor's own matmuls, True = measured
     providers with default options, or :class:`GemmOptions`."""
     if gemm is None:
         gemm = GEMM_DEFAULT
-    if gemm is False or mode == "eager":
+    if gemm is False:
         return None
     return GemmSelector(gemm if isinstance(gemm, GemmOptions) else GemmOptions())
 

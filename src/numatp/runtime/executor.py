@@ -17,6 +17,7 @@ import torch.fx
 
 from numatp.plan.ops import COLLECTIVES
 from numatp.plan.reference import gather
+from numatp.runtime.gemm_pass import GemmSelector, GemmStep, stand_in
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import Collective, Segment, SegmentCompiler, split_program
 
@@ -48,7 +49,7 @@ class SocketProgram:
         keep = {o for o in self.outputs if isinstance(o, str)}
         last: dict[str, int] = {}
         for i, s in enumerate(self.steps):
-            for k in (s.inputs if isinstance(s, Segment) else [s.src]):
+            for k in (s.inputs if isinstance(s, (Segment, GemmStep)) else [s.src]):
                 last[k] = i
         self.frees = [[] for _ in self.steps]
         for k, i in last.items():
@@ -59,18 +60,27 @@ class SocketProgram:
 class ShardedExecutor:
     """Compiles the socket programs and runs them on a :class:`SocketGroup`."""
 
-    def __init__(self, group: SocketGroup, compiler: SegmentCompiler):
+    def __init__(self, group: SocketGroup, compiler: SegmentCompiler, gemm: GemmSelector | None = None):
         self.group = group
         self.compiler = compiler
+        self.gemm = gemm
         self.programs: list[SocketProgram] = []
         self.sync_seconds = [0.0] * group.size
+        self.swaps: list[dict[int, tuple]] = []
 
-    def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]]) -> None:
+    def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]],
+              weights: list[set[int]] | None = None) -> None:
+        """Compile the programs; with a GEMM selector and ``weights`` (per rank, the argument indices that
+        are weights) weight matmuls get their providers first, and ``self.swaps`` lists per rank
+        ``{index: (plain, prepared)}``: the caller passes the prepared operand from then on."""
         self.programs = []
+        self.swaps = [{} for _ in local_gms]
+        if self.gemm is not None and weights is not None:
+            local_gms, local_args, self.swaps = self.gemm.apply(self.group, local_gms, local_args, weights)
         for rank, (gm, args) in enumerate(zip(local_gms, local_args)):
             if self.group.size == 1:
                 gm = strip_collectives(gm)
-            placeholders, steps, outs = split_program(gm, args)
+            placeholders, steps, outs = split_program(gm, [stand_in(a) for a in args])
             threads = len(self.group.topology.sockets[rank].cpus)
             for s in steps:
                 if isinstance(s, Segment):
@@ -87,6 +97,8 @@ class ShardedExecutor:
             for step in prog.steps:
                 if isinstance(step, Segment):
                     env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
+                elif isinstance(step, GemmStep):
+                    env[step.dst] = step(env)
                 else:
                     env[step.dst] = env[step.src]  # shapes only: values are not used
 
@@ -105,6 +117,8 @@ class ShardedExecutor:
             for step, frees in zip(prog.steps, prog.frees):
                 if isinstance(step, Segment):
                     env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
+                elif isinstance(step, GemmStep):
+                    env[step.dst] = step(env)
                 else:
                     t0 = time.perf_counter()
                     slot = slots[step.tag]

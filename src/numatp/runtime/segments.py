@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.plan.ops import COLLECTIVES
+from numatp.runtime.gemm_pass import GEMM_OP, GemmStep
 
 __all__ = ["Segment", "Collective", "split_program", "SegmentCompiler"]
 
@@ -43,7 +44,7 @@ class Collective:
 
 
 def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[list[str], list, list[Any]]:
-    """(placeholder keys, steps, output spec) of a socket program; steps alternate Segment / Collective."""
+    """(placeholder keys, steps, output spec) of a socket program; steps are Segment, Collective or GemmStep."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(t) if isinstance(t, torch.Tensor) else t
                                           for t in example_inputs])
@@ -59,7 +60,14 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[
     for i, n in enumerate(nodes):
         if n.op in ("placeholder", "output"):
             continue
-        if n.target in COLLECTIVES:
+        if n.target is GEMM_OP:  # a weight matmul the executor runs with its provider (numatp.runtime.gemm_pass)
+            if current:
+                steps.append(_segment(gm, current, i, last_use, output))
+                current = []
+            x, w, b, provider, _ = n.args
+            steps.append(GemmStep(provider, x.name, w.name, b.name if b is not None else None, n.name,
+                                  int(n.meta["val"].shape[1]), int(x.meta["val"].shape[1])))
+        elif n.target in COLLECTIVES:
             if current:
                 steps.append(_segment(gm, current, i, last_use, output))
                 current = []

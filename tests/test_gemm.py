@@ -1,0 +1,133 @@
+"""GEMM providers: rewritten programs equal eager, packed weights replace shards, rates are cached per CPU/threads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import numatp
+from numatp import zoo
+from numatp.runtime import gemm as gemm_mod
+from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, ceilings, measure
+from numatp.runtime.gemm_pass import GemmOptions
+from numatp.topology import Topology
+from tests.helpers import assert_close_to_eager
+
+pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+
+
+def _supported(provider: str, dtype: torch.dtype) -> bool:
+    """Whether this CPU runs the provider (oneDNN bf16 needs AVX-512 or AVX-NE-CONVERT)."""
+    return measure(PROVIDERS[provider], GemmShape(4, 8, 8, str(dtype)[6:], "nk", 1), min_seconds=0, max_calls=2) > 0
+
+
+def _run(family, dtype, sockets, options, seqs=(16,), mode="eager"):
+    """Compile and compare with eager; ``mode="eager"`` runs the segments uncompiled (fast), the GEMM
+    steps and packed weights are the same as under Inductor."""
+    model = zoo.build(family, tiny=True, dtype=dtype)
+    with torch.inference_mode():
+        compiled = numatp.compile(model, sockets=Topology.virtual(sockets=sockets), gemm=options, mode=mode)
+        for seq in seqs:
+            inputs = zoo.example_inputs(model, batch=2, seq=seq)
+            assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, f"{family} seq {seq}")
+    return compiled._numatp_backend
+
+
+CASES = [(torch.float32, "onednn"), (torch.float32, "onednn_packed"), (torch.float32, "mkl_packed"),
+         (torch.bfloat16, "onednn"), (torch.bfloat16, "onednn_packed"), (torch.bfloat16, "mkl_packed_f32")]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize(("dtype", "provider"), CASES, ids=[f"{str(d)[6:]}-{p}" for d, p in CASES])
+def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
+    if not _supported(provider, dtype):
+        pytest.skip(f"{provider} does not run {dtype} on this CPU")
+    # seq 8 after seq 16: the second variant reuses the operands packed for M = 32 at M = 16
+    backend = _run(family, dtype, 2, GemmOptions(force=provider, cache_dir=str(tmp_path)), seqs=(16, 8))
+    _check_forced(backend, provider)
+
+
+@pytest.mark.parametrize(("family", "dtype", "provider", "sockets"), [
+    ("gpt2", torch.float32, "mkl_packed", 2), ("gpt2", torch.float32, "onednn_packed", 1),
+    ("llama", torch.bfloat16, "mkl_packed_f32", 2), ("llama", torch.float32, "onednn", 2)])
+def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_path):
+    if not _supported(provider, dtype):
+        pytest.skip(f"{provider} does not run {dtype} on this CPU")
+    backend = _run(family, dtype, sockets, GemmOptions(force=provider, cache_dir=str(tmp_path)), mode="inductor")
+    _check_forced(backend, provider)
+
+
+def _check_forced(backend, provider):
+    rows = backend.gemm.report()
+    assert rows and {r["provider"] for r in rows} == {provider}
+    assert backend.gemm.table.measured == 0  # forced: nothing measured
+    if PROVIDERS[provider].packed:
+        # every rewritten weight is held once, as its packed operand
+        assert backend.weights.report()["packed_tensors"] == len(rows)
+
+
+def test_cache_written_then_reused(tmp_path):
+    opts = GemmOptions(providers=("aten", "mkl_packed"), cache_dir=str(tmp_path))
+    first = _run("gpt2", torch.float32, 2, opts)
+    assert first.gemm.table.measured > 0
+    path = first.gemm.table.path
+    assert path.parent == tmp_path and path.name.startswith("gemm-")
+    rates = json.loads(path.read_text())["rates"]
+    assert all(set(r) >= {"aten", "mkl_packed"} for r in rates.values())
+    torch._dynamo.reset()
+    second = _run("gpt2", torch.float32, 2, opts)
+    assert second.gemm.table.measured == 0
+    assert [r["provider"] for r in second.gemm.report()] == [r["provider"] for r in first.gemm.report()]
+
+
+def test_choice_is_keyed_by_threads(tmp_path):
+    opts = GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path))
+    two = _run("gpt2", torch.float32, 2, opts)          # one CPU (thread) per socket
+    threads = {r["threads"] for r in two.gemm.report()}
+    torch._dynamo.reset()
+    one = _run("gpt2", torch.float32, 1, opts)          # every CPU on one socket
+    if {r["threads"] for r in one.gemm.report()} == threads:
+        pytest.skip("this machine has one usable CPU: both topologies run one thread")
+    assert one.gemm.table.measured > 0
+    keys = json.loads(one.gemm.table.path.read_text())["rates"]
+    assert {k.rsplit("|", 1)[1] for k in keys} == {f"t{t}" for t in threads} | {
+        f"t{r['threads']}" for r in one.gemm.report()}
+
+
+def test_table_is_per_cpu(tmp_path, monkeypatch):
+    shape = GemmShape(4, 8, 8, "float32", "nk", 1)
+    GemmTable(tmp_path).put({shape: {"aten": 1.0}})
+    assert GemmTable(tmp_path).get(shape) == {"aten": 1.0}
+    monkeypatch.setattr(gemm_mod, "cpu_signature", lambda: "another-cpu")
+    assert GemmTable(tmp_path).get(shape) is None
+
+
+def test_ceilings_best_rate_per_provider(tmp_path):
+    t = GemmTable(tmp_path)
+    t.put({GemmShape(4, 8, 8, "float32", "nk", 1): {"aten": 3.0, "onednn": 5.0},
+           GemmShape(8, 8, 8, "float32", "kn", 2): {"aten": 7.0, "onednn": 4.0},
+           GemmShape(8, 8, 8, "bfloat16", "kn", 2): {"aten": 1.0}})
+    assert ceilings("float32", cache_dir=tmp_path) == {"aten": 7.0, "onednn": 5.0}
+    assert ceilings(torch.float32, cache_dir=tmp_path, threads=1) == {"aten": 3.0, "onednn": 5.0}
+    assert ceilings("bfloat16", cache_dir=tmp_path) == {"aten": 1.0}
+
+
+def test_aten_winner_leaves_graph_unchanged(tmp_path):
+    t = GemmTable(tmp_path)
+    backend = _run("gpt2", torch.float32, 2, GemmOptions(force="aten", cache_dir=str(tmp_path)))
+    assert {r["provider"] for r in backend.gemm.report()} == {"aten"}
+    assert backend.weights.report()["packed_tensors"] == 0
+    assert not t.entries
+
+
+def test_gemm_off_by_option(tmp_path):
+    backend = _run("gpt2", torch.float32, 1, False)
+    assert backend.gemm is None
