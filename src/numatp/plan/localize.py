@@ -19,7 +19,7 @@ import torch.fx
 from numatp.plan import ops  # noqa: F401  (registers numatp::all_reduce / all_gather)
 from numatp.plan.propagate import Shard
 from numatp.plan.roles import WeightMatmul, find_weight_matmuls
-from numatp.plan.schema import IndexSet, Placement, Replicate, Colwise, Rowwise
+from numatp.plan.schema import Colwise, IndexSet, Placement, Replicate, Rowwise
 from numatp.plan.tp_pass import replica_users
 from numatp.plan.trace import AtenGraph
 
@@ -122,7 +122,7 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
                 if m.bias is not None:
                     out = g.call_function(aten.add.Tensor, (out, weight(m.bias, Replicate())))
             elif m.bias is not None:
-                out = g.call_function(aten.addmm.default, (w_bias := _col_bias(m, info, weight), x, w))
+                out = g.call_function(aten.addmm.default, (weight(m.bias, Colwise(0, info.layout.sets)), x, w))
             else:
                 out = g.call_function(aten.mm.default, (x, w))
             env[node] = out
@@ -138,14 +138,10 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
 def _shard_placeholders(node, m: WeightMatmul, weight):
     info = node.meta["numatp"]
     if info.role == "row":
-        return weight(m.param, Rowwise(m.in_dim, info.slice_inputs["row_sets"].sets))
+        return weight(m.param, Rowwise(m.in_dim, info.row_input.sets))
     if m.bias is not None:
         weight(m.bias, Colwise(0, info.layout.sets))
     return weight(m.param, Colwise(m.out_dim, info.layout.sets))
-
-
-def _col_bias(m: WeightMatmul, info, weight):
-    return weight(m.bias, Colwise(0, info.layout.sets))
 
 
 def _copy(g: torch.fx.Graph, node: torch.fx.Node, env: dict, rank: int) -> torch.fx.Node:

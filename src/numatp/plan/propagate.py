@@ -45,6 +45,7 @@ class NodeInfo:
     split_dim: int | None = None     # split along the shard dim: rewrite to local split_with_sizes
     slice_dim: int | None = None     # slice along the shard dim: rewrite start/end to local positions
     slice_inputs: dict[Any, Shard] = field(default_factory=dict)  # replicated inputs to cut locally
+    row_input: Shard | None = None   # a row matmul's sharded input: its weight rows are sliced the same way
 
 
 class Unsupported(Exception):
@@ -266,6 +267,6 @@ def propagate(gm: torch.fx.GraphModule, column_sets: dict[torch.fx.Node, tuple[i
                                          "along its features")
             info.role, info.block = "row", block
             info.layout = None
-            info.slice_inputs["row_sets"] = lx
+            info.row_input = lx
         else:
             info.layout = _rule(node, info)

@@ -73,7 +73,7 @@ def gather(shards: Sequence[torch.Tensor], dim: int, sets: Sequence[IndexSet], g
     return out
 
 
-def run_reference(programs: Sequence[LocalProgram], inputs: Sequence[Any], gather_sets: dict[int, Any] | None = None):
+def run_reference(programs: Sequence[LocalProgram], inputs: Sequence[Any]) -> Any:
     """Run the socket programs in lockstep; returns socket 0's outputs (replicated values are identical)."""
     gens = [_steps(p.gm, bind_inputs(p.bindings, inputs, p.rank)) for p in programs]
     pending: list[Any] = [None] * len(gens)
@@ -104,13 +104,6 @@ def run_reference(programs: Sequence[LocalProgram], inputs: Sequence[Any], gathe
         else:
             tensors = [p[1][0] for p in pending]
             dim, size = pending[0][1][1], pending[0][1][2]
-            sets = _gather_sets(programs, node)
-            full = gather(tensors, dim, sets, size)
+            full = gather(tensors, dim, node.meta["numatp_gather"], size)
             sends = [full for _ in gens]
 
-
-def _gather_sets(programs: Sequence[LocalProgram], node: torch.fx.Node) -> list[IndexSet]:
-    sets = node.meta.get("numatp_gather")
-    if sets is None:
-        raise RuntimeError("all_gather node without its index sets (meta 'numatp_gather')")
-    return sets

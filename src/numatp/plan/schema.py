@@ -46,7 +46,7 @@ class IndexSet:
 
     def clip(self, lo: int, hi: int) -> IndexSet:
         """The part inside ``[lo, hi)``, re-based so that ``lo`` becomes 0."""
-        return IndexSet(tuple((max(a, lo) - lo, min(b, hi) - lo) for a, b in self.intervals)).shifted(0)
+        return IndexSet(tuple((max(a, lo) - lo, min(b, hi) - lo) for a, b in self.intervals))
 
     def local_range(self, lo: int, hi: int) -> tuple[int, int]:
         """Local positions ``[start, stop)`` of the global indices inside ``[lo, hi)``."""

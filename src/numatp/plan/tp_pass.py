@@ -236,7 +236,7 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
             if m.bias is not None:
                 uses[m.bias].append(WeightPlan(names[m.bias], _shape(m.bias), _isz(m.bias), Colwise(0, sets)))
         else:
-            sets = info.slice_inputs["row_sets"].sets
+            sets = info.row_input.sets
             uses[m.param].append(WeightPlan(names[m.param], _shape(m.param), _isz(m.param), Rowwise(m.in_dim, sets)))
     for p in params:
         if replica_users(p, by_node) or not uses[p]:
