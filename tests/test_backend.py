@@ -156,3 +156,29 @@ def test_auto_policy_compiles_and_equals_eager():
     (variant,) = [v for g in compiled._numatp_backend.graphs for v in g.variants.values()]
     # a graph where no block pays for sharding runs as plain torch.compile, never replicated per socket
     assert (variant.baseline is not None) == (not any(b.sharded for b in decided))
+
+
+def test_keyboard_interrupt_leaves_the_group_usable():
+    import signal
+    import time
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    group = SocketGroup(Topology.virtual(sockets=2))
+    with group:
+        def task(rank):
+            if rank == 1:
+                time.sleep(0.5)
+            group.barrier(rank)
+            return rank
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.1)
+            with pytest.raises(KeyboardInterrupt):
+                group.run(task)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+        assert group.run(lambda r: r + 1) == [1, 2]
