@@ -147,7 +147,7 @@ def default_decider(topology: Topology) -> Callable:
 
     profile = default_profile(topology)
 
-    def decider(cand, sockets: int) -> tuple[bool, str]:
+    def decider(cand, sockets: int) -> tuple[dict[str, float], str]:
         # the graph gives tokens (batch x seq) but not the split between them: the attention core is
         # modelled as one sequence of all tokens, an upper bound on its quadratic term
         head_dim = 64 if cand.inner % 64 == 0 else cand.inner
@@ -160,9 +160,7 @@ def default_decider(topology: Topology) -> Callable:
                            dtype="bfloat16" if cand.itemsize == 2 else "float32")
         (d,) = decide([shape], profile, sockets)
         times = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in d.times.items())
-        # a block numatp does not shard runs whole on every socket's own cores: its cost is "one-socket"
-        ok = d.times["sharded"] < d.times["one-socket"]
-        return ok, f"{d.reason} (predicted: {times})"
+        return d.times, f"{d.reason} (predicted: {times})"
 
     return decider
 

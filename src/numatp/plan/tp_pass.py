@@ -40,7 +40,8 @@ class BlockCandidate:
     itemsize: int
 
 
-Decider = Callable[[BlockCandidate, int], tuple[bool, str]]
+Decider = Callable[[BlockCandidate, int], tuple[dict[str, float], str]]
+"""``decide(block, sockets) -> ({"sharded": s, "unsharded": s, ...}, reason)``: predicted seconds per choice."""
 
 
 def _module(names: list[str]) -> str:
@@ -67,7 +68,10 @@ def _column_sets(col: WeightMatmul, sockets: int) -> tuple[IndexSet, ...] | None
 def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: Decider | None = None) -> Plan:
     """Annotate ``ag.gm`` for ``sockets`` sockets and return the schema.
 
-    ``policy``: "always" shards every block the pass understands, "never" none, "auto" asks ``decide``.
+    ``policy``: "always" shards every block the pass understands, "never" none, "auto" asks ``decide``
+    for every block's predicted time sharded and unsharded and shards all blocks when their total
+    sharded time is lower, none otherwise: a block left unsharded inside a sharded program would run
+    whole on every socket's share of the cores, so a mixed plan is never the fast one.
     """
     if not isinstance(sockets, int) or sockets < 1:
         raise ValueError(f"sockets={sockets!r}: the socket count must be an integer >= 1")
@@ -86,6 +90,8 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
     accepted: dict[torch.fx.Node, str] = {}  # row -> the decider's reason to shard
     no_lm_head: set[torch.fx.Node] = set()
     narrowed: set[torch.fx.Node] = set()   # rows whose block retries with only the widest columns split
+    if policy == "auto":
+        policy = _auto(find_blocks(matmuls, set()), names, sockets, decide, accepted, reasons)
     while True:
         blocks = find_blocks(matmuls, excluded) if policy != "never" else []
         column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]] = {}
@@ -105,14 +111,6 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
                                  f"{[(o, n // u) for o, n, u in column_segments(c)]} (offset, units)" for c in cols)
                 raise ValueError(f"{module}: cannot split over {sockets} sockets ({dims}); pass fewer sockets "
                                  "or policy='auto'")
-            if policy == "auto":
-                cand = _candidate(row, cols, module)
-                ok, why = decide(cand, sockets)
-                if not ok:
-                    excluded |= {row.node, *(c.node for c in cols)}
-                    reasons[row.node] = (cand.kind, module, why)
-                    continue
-                accepted[row.node] = why
             for c in split:
                 column_sets[c.node] = (bid, sets[c.node])
             rows[row.node] = bid
@@ -144,6 +142,26 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
                 kind = "attention" if _has_attention(row, cols) else "mlp"
                 reasons[row.node] = (kind, _module([names[m.param] for m in [*cols, row]]), e.reason)
     return _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node)
+
+
+def _auto(blocks, names, sockets, decide, accepted, reasons) -> str:
+    """'always' or 'never' for the whole graph, from the decider's per-block predictions."""
+    preds = []
+    for row, cols in blocks:
+        module = _module([names[m.param] for m in [*cols, row]])
+        cand = _candidate(row, cols, module)
+        times, why = decide(cand, sockets)
+        preds.append((row, cand, module, times, why))
+    sharded = sum(t["sharded"] for *_, t, _ in preds)
+    unsharded = sum(t["unsharded"] for *_, t, _ in preds)
+    shard = bool(preds) and sharded < unsharded
+    total = f"graph predicted {1e3 * sharded:.1f} ms sharded vs {1e3 * unsharded:.1f} ms unsharded"
+    for row, cand, module, times, why in preds:
+        if shard:
+            accepted[row.node] = f"{why}; {total}"
+        else:
+            reasons[row.node] = (cand.kind, module, f"{why}; {total}: the graph stays unsharded")
+    return "always" if shard else "never"
 
 
 def _reaches_output(node: torch.fx.Node) -> bool:
