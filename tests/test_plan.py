@@ -132,3 +132,23 @@ def test_unrecognised_block_runs_replicated_and_says_why():
     (out,) = run_reference([localize(ag, r) for r in range(2)], real)
     with torch.no_grad():
         assert_close_to_eager(out, model(x), "odd")
+
+
+@pytest.mark.parametrize("sharded_wins", [True, False])
+def test_auto_policy_follows_the_graph_total(sharded_wins):
+    model = zoo.build("gpt2", tiny=True)
+    (ag, real), = capture(model, **zoo.example_inputs(model, batch=1, seq=16))
+    seen = []
+
+    def decide(block, sockets):
+        seen.append(block.kind)
+        fast, slow = 1.0, 2.0
+        return ({"sharded": fast if sharded_wins else slow, "unsharded": slow if sharded_wins else fast},
+                f"test decider for {block.module}")
+
+    plan = plan_graph(ag, 2, policy="auto", decide=decide)
+    assert sorted(seen) == ["attention", "attention", "mlp", "mlp"]
+    blocks = [b for b in plan.blocks if b.kind != "lm_head"]
+    assert all(b.sharded == sharded_wins for b in blocks)
+    assert all("test decider" in b.reason for b in blocks)
+    assert plan.reductions == (4 if sharded_wins else 0)
