@@ -1,10 +1,10 @@
 """GFLOP/s of the GEMM providers torch ships, at the weight shapes of GPT-2 / GPT-2 medium prefill.
 
 Providers: numatp's runtime providers (aten = torch.mm/addmm, onednn, onednn_packed, mkl_packed; see
-numatp.runtime.gemm), plus, for reference only, Inductor on a single nn.Linear compiled with
-freezing=True (``inductor_freezing``: what torch.compile's freezing picks) and with max_autotune over
-the C++ GEMM template (``inductor_cpp``), and for bf16 the fp32 MKL path on an upcast packed weight
-(``mkl_packed_f32``). One JSON line per (dtype, threads, M, K, N, provider); a summary table at the end.
+numatp.runtime.gemm; mkl_packed_f32 is bf16 computed by fp32 MKL on an upcast packed weight), plus,
+for reference only, Inductor on a single nn.Linear compiled with freezing=True (``inductor_freezing``:
+what torch.compile's freezing picks) and with max_autotune over the C++ GEMM template (``inductor_cpp``).
+One JSON line per (dtype, threads, M, K, N, provider); a summary table at the end.
 Results also go into numatp's on-disk table (``--no-cache`` to skip), so compiling reuses them.
 
     OMP_NUM_THREADS=2 python benchmarks/gemm_providers.py --threads 1 2 --ms 128 512 1024 --out gemm.jsonl
@@ -60,33 +60,16 @@ def inductor_rate(shape, *, autotune: bool, min_seconds: float, max_calls: int) 
             return 0.0
 
 
-def upcast_rate(shape, *, min_seconds: float, max_calls: int) -> float:
-    """bf16 in and out, computed by MKL in fp32 on a weight packed once in fp32 (twice the bytes)."""
-    import torch
-
-    x = torch.randn(shape.m, shape.k).bfloat16()
-    w = torch.randn(shape.n, shape.k)
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, shape.m)
-    b = torch.randn(shape.n)
-    stand_in = torch.empty(1).expand(shape.n, shape.k)
-
-    def call():
-        return torch.ops.mkl._mkl_linear(x.float(), packed, stand_in, b, shape.m).bfloat16()
-
-    with torch.no_grad():
-        return _time(call, shape.flops, min_seconds, max_calls)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gpt2", "gpt2-medium"], choices=sorted(SHAPES))
     ap.add_argument("--ms", nargs="+", type=int, default=[128, 512, 1024], help="rows M (tokens)")
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--providers", nargs="+", default=["aten", "onednn", "onednn_packed", "mkl_packed"])
+    ap.add_argument("--providers", nargs="+",
+                    default=["aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32"])
     ap.add_argument("--inductor", action="store_true", help="also inductor_freezing and inductor_cpp (slow: compiles)")
     ap.add_argument("--inductor-ms", nargs="+", type=int, default=[512], help="M values for the Inductor rows")
-    ap.add_argument("--upcast", action="store_true", help="also mkl_packed_f32 for bf16")
     ap.add_argument("--min-seconds", type=float, default=0.15)
     ap.add_argument("--max-calls", type=int, default=10)
     ap.add_argument("--no-cache", action="store_true", help="do not write numatp's on-disk GEMM table")
@@ -113,9 +96,6 @@ def main(argv: list[str] | None = None) -> int:
                                             max_calls=args.max_calls) for p in args.providers}
                         if table is not None:
                             table.put({shape: {**(table.get(shape) or {}), **{p: round(r, 2) for p, r in rates.items()}}})
-                        if args.upcast and dtype == "bfloat16":
-                            rates["mkl_packed_f32"] = upcast_rate(shape, min_seconds=args.min_seconds,
-                                                                  max_calls=args.max_calls)
                         if args.inductor and m in args.inductor_ms:
                             for name, tune in (("inductor_freezing", False), ("inductor_cpp", True)):
                                 rates[name] = inductor_rate(shape, autotune=tune, min_seconds=args.min_seconds,

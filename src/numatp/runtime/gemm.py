@@ -9,7 +9,8 @@ answers differ), so numatp measures them:
 - ``aten``: ``torch.mm`` / ``addmm``, what Inductor calls by default (MKL for fp32 on x86);
 - ``onednn``: ``mkldnn._linear_pointwise`` on the plain weight;
 - ``onednn_packed``: the same op on a weight reordered once by ``mkldnn._reorder_linear_weight``;
-- ``mkl_packed``: ``mkl._mkl_linear`` on a weight packed once by ``mkl._mkl_reorder_linear_weight`` (fp32).
+- ``mkl_packed``: ``mkl._mkl_linear`` on a weight packed once by ``mkl._mkl_reorder_linear_weight`` (fp32);
+- ``mkl_packed_f32``: for bf16, the same in fp32 on an upcast packed weight (twice the bytes).
 
 Packed weights are opaque tensors (``layout=torch._mkldnn``), so a packed provider replaces the plain
 shard and runs outside Inductor (see :mod:`numatp.runtime.gemm_pass`). Rates are GFLOP/s (``2 M K N``
@@ -91,6 +92,14 @@ def _mkl_call(x, packed, bias, n, k):
     return torch.ops.mkl._mkl_linear(x, packed, stand_in, bias, x.shape[0])
 
 
+def _upcast_pack(w_nk, m):
+    return _mkl_pack(w_nk.float(), m)
+
+
+def _upcast_call(x, packed, bias, n, k):
+    return _mkl_call(x.float(), packed, None if bias is None else bias.float(), n, k).to(x.dtype)
+
+
 PROVIDERS: dict[str, Provider] = {
     "aten": Provider("aten", (torch.float32, torch.bfloat16), False, lambda w, m: w, _aten_call),
     # oneDNN's linear takes a contiguous (N, K) weight: a Conv1D (K, N) weight gets a transposed copy
@@ -100,20 +109,29 @@ PROVIDERS: dict[str, Provider] = {
     "onednn_packed": Provider("onednn_packed", (torch.float32, torch.bfloat16), True,
                               lambda w, m: mkldnn._reorder_linear_weight(w.contiguous(), m), _onednn_call),
     "mkl_packed": Provider("mkl_packed", (torch.float32,), True, _mkl_pack, _mkl_call),
+    # bf16 in and out, fp32 MKL on an fp32 packed weight: for CPUs without bf16 GEMM instructions
+    # (AVX2), where torch's bf16 matmul falls back to slow loops. Its operand has twice the bf16 bytes.
+    "mkl_packed_f32": Provider("mkl_packed_f32", (torch.bfloat16,), True, _upcast_pack, _upcast_call),
 }
 
 
 def measure(provider: Provider, shape: GemmShape, *, min_seconds: float = 0.15, max_calls: int = 20,
-            seed: int = 0) -> float:
+            seed: int = 0, max_call_seconds: float = 1.0) -> float:
     """GFLOP/s of ``provider`` at ``shape`` on the calling thread (its thread count and pinning).
 
     One warm-up call, then calls until ``min_seconds`` or ``max_calls``; the median time counts. Returns
     0.0 where the provider does not support the dtype or the CPU (e.g. oneDNN bf16 reorders need
-    AVX-512 or AVX-NE-CONVERT).
+    AVX-512 or AVX-NE-CONVERT). A provider that a 32-row probe shows would take over ``max_call_seconds``
+    per call (torch's reference bf16 loops on AVX2 run near 1 GFLOP/s) gets the probe's rate instead.
     """
     dtype = getattr(torch, shape.dtype)
     if dtype not in provider.dtypes:
         return 0.0
+    if shape.m > 32:
+        probe = GemmShape(32, shape.k, shape.n, shape.dtype, shape.layout, shape.threads)
+        rate = measure(provider, probe, min_seconds=0.0, max_calls=1, seed=seed)
+        if rate == 0.0 or shape.flops / (rate * 1e9) > max_call_seconds:
+            return rate
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape.m, shape.k, generator=g).to(dtype)
     w = torch.randn(shape.n, shape.k, generator=g).to(dtype) if shape.layout == "nk" else \

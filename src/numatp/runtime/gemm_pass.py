@@ -55,23 +55,6 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str
 
 GEMM_OP = torch.ops.numatp.gemm.default
 
-_mkl_f32 = PROVIDERS["mkl_packed"]
-
-
-def _upcast_pack(w_nk: torch.Tensor, m: int) -> torch.Tensor:
-    return _mkl_f32.prepare(w_nk.float(), m)
-
-
-def _upcast_call(x, packed, bias, n, k):
-    y = _mkl_f32.call(x.float(), packed, None if bias is None else bias.float(), n, k)
-    return y.to(x.dtype)
-
-
-# bf16 in and out, fp32 MKL on an fp32 packed weight: for CPUs without bf16 GEMM units (AVX2), where
-# torch's bf16 kernels fall back to slow reference loops. Its operand is twice the bf16 weight's bytes.
-PROVIDERS.setdefault("mkl_packed_f32", Provider("mkl_packed_f32", (torch.bfloat16,), True, _upcast_pack,
-                                                _upcast_call))
-
 DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32")
 
 
