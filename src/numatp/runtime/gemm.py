@@ -116,7 +116,7 @@ PROVIDERS: dict[str, Provider] = {
 
 
 def measure(provider: Provider, shape: GemmShape, *, min_seconds: float = 0.15, max_calls: int = 20,
-            seed: int = 0, max_call_seconds: float = 1.0) -> float:
+            seed: int = 0, max_call_seconds: float = 5.0) -> float:
     """GFLOP/s of ``provider`` at ``shape`` on the calling thread (its thread count and pinning).
 
     One warm-up call, then calls until ``min_seconds`` or ``max_calls``; the median time counts. Returns
