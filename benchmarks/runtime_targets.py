@@ -43,7 +43,8 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, f
             "numatp-2": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=2)),
         }
         if freezing:
-            builders["baseline-freezing"] = lambda: torch.compile(model, options={"freezing": True})
+            # options={"freezing": True} does not reach Inductor's config on torch 2.13: patch the config
+            builders["baseline-freezing"] = lambda: _frozen(torch.compile(model))
         for name, build in builders.items():
             print(f"  compiling {name}", file=sys.stderr, flush=True)
             fn = build()
@@ -77,6 +78,15 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, f
         "sync_share_numatp2": sync / iters / med["numatp-2"],
         **({"ratio_numatp2_vs_freezing": med["baseline-freezing"] / med["numatp-2"]} if freezing else {}),
     }
+
+
+def _frozen(fn):
+    import torch._inductor.config as inductor_config
+
+    def call(**kwargs):
+        with inductor_config.patch(freezing=True):
+            return fn(**kwargs)
+    return call
 
 
 def main() -> int:
