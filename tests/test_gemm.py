@@ -41,15 +41,27 @@ def _run(family, dtype, sockets, options, seqs=(16,), mode="eager"):
     return compiled._numatp_backend
 
 
-CASES = [(torch.float32, "onednn"), (torch.float32, "onednn_packed"), (torch.float32, "mkl_packed"),
-         (torch.bfloat16, "onednn"), (torch.bfloat16, "onednn_packed"), (torch.bfloat16, "mkl_packed_f32")]
+ALL_CASES = [(torch.float32, "onednn"), (torch.float32, "onednn_packed"), (torch.float32, "mkl_packed"),
+             (torch.bfloat16, "onednn"), (torch.bfloat16, "onednn_packed"), (torch.bfloat16, "mkl_packed_f32")]
+# only what this CPU runs (oneDNN bf16 needs AVX-512 or AVX-NE-CONVERT); the rest is checked below
+CASES = [(d, p) for d, p in ALL_CASES if _supported(p, d)]
+UNSUPPORTED = [(d, p) for d, p in ALL_CASES if (d, p) not in CASES]
+
+
+@pytest.mark.parametrize(("dtype", "provider"), UNSUPPORTED or [(None, None)],
+                         ids=[f"{str(d)[6:]}-{p}" for d, p in UNSUPPORTED] or ["none"])
+def test_unsupported_provider_measures_zero(dtype, provider):
+    """A provider this CPU cannot run measures 0 GFLOP/s, so a measured choice never picks it."""
+    if provider is None:
+        assert len(CASES) == len(ALL_CASES)
+        return
+    assert measure(PROVIDERS[provider], GemmShape(32, 64, 64, str(dtype)[6:], "nk", 1), min_seconds=0,
+                   max_calls=2) == 0
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize(("dtype", "provider"), CASES, ids=[f"{str(d)[6:]}-{p}" for d, p in CASES])
 def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
-    if not _supported(provider, dtype):
-        pytest.skip(f"{provider} does not run {dtype} on this CPU")
     # seq 8 after seq 16: the second variant reuses the operands packed for M = 32 at M = 16
     backend = _run(family, dtype, 2, GemmOptions(force=provider, cache_dir=str(tmp_path)), seqs=(16, 8))
     _check_forced(backend, provider)
@@ -59,8 +71,7 @@ def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
     ("gpt2", torch.float32, "mkl_packed", 2), ("gpt2", torch.float32, "onednn_packed", 1),
     ("llama", torch.bfloat16, "mkl_packed_f32", 2), ("llama", torch.float32, "onednn", 2)])
 def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_path):
-    if not _supported(provider, dtype):
-        pytest.skip(f"{provider} does not run {dtype} on this CPU")
+    assert _supported(provider, dtype), f"{provider} is expected to run {dtype} on every x86-64 CPU torch supports"
     backend = _run(family, dtype, sockets, GemmOptions(force=provider, cache_dir=str(tmp_path)), mode="inductor")
     _check_forced(backend, provider)
 

@@ -19,7 +19,7 @@ from numatp.plan.ops import COLLECTIVES
 from numatp.plan.propagate import Shard
 from numatp.plan.schema import Colwise, IndexSet, Placement, Replicate, Rowwise
 
-__all__ = ["shard_tensor", "bind_inputs", "run_reference", "gather"]
+__all__ = ["shard_tensor", "bind_inputs", "run_reference", "gather", "place"]
 
 _ALL_REDUCE, _ALL_GATHER = COLLECTIVES
 
@@ -66,11 +66,16 @@ def gather(shards: Sequence[torch.Tensor], dim: int, sets: Sequence[IndexSet], g
     shape[dim] = global_size
     out = shards[0].new_empty(shape)
     for shard, s in zip(shards, sets):
-        pos = 0
-        for lo, hi in s.intervals:
-            out.narrow(dim, lo, hi - lo).copy_(shard.narrow(dim, pos, hi - lo))
-            pos += hi - lo
+        place(out, shard, dim, s)
     return out
+
+
+def place(out: torch.Tensor, shard: torch.Tensor, dim: int, s: IndexSet) -> None:
+    """Copy one socket's shard to its global indices ``s`` along ``dim`` of ``out``."""
+    pos = 0
+    for lo, hi in s.intervals:
+        out.narrow(dim, lo, hi - lo).copy_(shard.narrow(dim, pos, hi - lo))
+        pos += hi - lo
 
 
 def run_reference(programs: Sequence[LocalProgram], inputs: Sequence[Any]) -> Any:

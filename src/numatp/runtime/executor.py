@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from numatp.plan.ops import COLLECTIVES
-from numatp.plan.reference import gather
+from numatp.plan.reference import place
 from numatp.runtime.gemm_pass import GemmSelector, GemmStep, stand_in
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import Collective, Segment, SegmentCompiler, split_program
@@ -122,15 +122,24 @@ class ShardedExecutor:
                 else:
                     t0 = time.perf_counter()
                     slot = slots[step.tag]
-                    slot[rank] = env[step.src]
-                    self.group.barrier(rank)
                     if step.kind == "all_reduce":
+                        slot[rank] = env[step.src]
+                        self.group.barrier(rank)
                         total = slot[0] + slot[1] if size > 1 else slot[0].clone()
                         for p in slot[2:]:
                             total += p
                         env[step.dst] = total
                     else:
-                        env[step.dst] = gather(slot, step.dim, step.sets, step.global_size) if rank == 0 else None
+                        # socket 0 allocates the full tensor, every socket copies its own shard into it at
+                        # once; run() returns only after every worker is done, so no second barrier
+                        shard = env[step.src]
+                        if rank == 0:
+                            shape = list(shard.shape)
+                            shape[step.dim] = step.global_size
+                            slot[0] = shard.new_empty(shape)
+                        self.group.barrier(rank)
+                        place(slot[0], shard, step.dim, step.sets[rank])
+                        env[step.dst] = slot[0] if rank == 0 else None
                     sync[rank] += time.perf_counter() - t0
                 for k in frees:
                     env.pop(k, None)
