@@ -18,7 +18,7 @@ import torch.fx
 
 from numatp.plan import ops  # noqa: F401  (registers numatp::all_reduce / all_gather)
 from numatp.plan.propagate import Shard
-from numatp.plan.roles import WeightMatmul, find_weight_matmuls
+from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, find_weight_matmuls
 from numatp.plan.schema import Colwise, IndexSet, Placement, Replicate, Rowwise
 from numatp.plan.tp_pass import replica_users
 from numatp.plan.trace import AtenGraph
@@ -87,7 +87,7 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
         for u in p.users:
             if u in by_node and u.meta["numatp"].role:
                 _shard_placeholders(u, by_node[u], weight)
-            for v in u.users if u.target in (aten.permute.default, aten.t.default) else ():
+            for v in u.users if u.target in TRANSPOSE_OPS else ():
                 if v in by_node and v.meta["numatp"].role:
                     _shard_placeholders(v, by_node[v], weight)
     tag = 0
@@ -127,8 +127,8 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
                 out = g.call_function(aten.mm.default, (x, w))
             env[node] = out
             continue
-        if all(u.meta["numatp"].role for u in node.users) and node.users and node.target in (
-                aten.permute.default, aten.t.default) and node.args[0] in params:
+        if all(u.meta["numatp"].role for u in node.users) and node.users and node.target in TRANSPOSE_OPS \
+                and node.args[0] in params:
             continue  # a weight transpose only sharded matmuls read: they transpose their own shard
         env[node] = _copy(g, node, env, rank)
     g.lint()

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import torch.fx
 
+from numatp.plan.roles import IDENTITY_OPS, VIEW_OPS
 from numatp.plan.schema import IndexSet
 from numatp.plan.views import ViewError, map_shard_through_view
 
 __all__ = ["Shard", "NodeInfo", "Unsupported", "propagate", "ATTENTION_OPS"]
 
 aten = torch.ops.aten
-prims = torch.ops.prims
 
 
 @dataclass(frozen=True)
@@ -61,9 +61,6 @@ ATTENTION_OPS = {
     aten._scaled_dot_product_efficient_attention.default,
     aten.scaled_dot_product_attention.default,
 }
-_SAME = {aten.clone.default, aten.alias.default, prims.convert_element_type.default, aten._to_copy.default,
-         aten.lift_fresh_copy.default, aten.detach.default}
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
                aten.var_mean.correction, aten.var.correction, aten.std.correction, aten.logsumexp.default}
 _SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default}
@@ -124,7 +121,7 @@ def _rule(node: torch.fx.Node, info: NodeInfo) -> Layout:
     x = node.args[0]
     lay: Shard = x.meta["numatp"].layout if isinstance(x, torch.fx.Node) else sharded[0][1].meta["numatp"].layout
     block = sharded[0][1].meta["numatp"].layout.block
-    if t in _VIEWS or t is aten.expand.default:
+    if t in VIEW_OPS or t is aten.expand.default:
         src, dst = _shape(x), _shape(node)
         if t is aten.expand.default:
             if src[lay.dim] != dst[lay.dim + len(dst) - len(src)]:
@@ -137,7 +134,7 @@ def _rule(node: torch.fx.Node, info: NodeInfo) -> Layout:
             raise Unsupported(block, f"{_where(node)}: {e}") from e
         info.local_shape = True
         return Shard(d, sets, block)
-    if t in _SAME:
+    if t in IDENTITY_OPS:
         return lay
     if t is aten.permute.default:
         return Shard(list(node.args[1]).index(lay.dim), lay.sets, block)

@@ -20,10 +20,11 @@ from numatp.plan.views import view_groups
 __all__ = ["WeightMatmul", "find_weight_matmuls", "find_blocks", "column_segments"]
 
 aten = torch.ops.aten
-_TRANSPOSES = {aten.permute.default, aten.t.default, aten.transpose.int}
-_SAME_DIM = {aten.clone.default, aten.alias.default, torch.ops.prims.convert_element_type.default,
-             aten._to_copy.default}
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+# op groups the pass modules share (propagate, tp_pass and localize import them from here)
+TRANSPOSE_OPS = {aten.permute.default, aten.t.default, aten.transpose.int}
+IDENTITY_OPS = {aten.clone.default, aten.alias.default, torch.ops.prims.convert_element_type.default,
+                aten._to_copy.default, aten.lift_fresh_copy.default, aten.detach.default}
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def find_weight_matmuls(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) ->
         bias = node.args[0] if node.target is aten.addmm.default else None
         w = node.args[2] if bias is not None else node.args[1]
         chain = []
-        while isinstance(w, torch.fx.Node) and w.target in _TRANSPOSES:
+        while isinstance(w, torch.fx.Node) and w.target in TRANSPOSE_OPS:
             chain.append(w)
             w = w.args[0]
         if not (isinstance(w, torch.fx.Node) and w in params and w.meta["val"].dim() == 2):
@@ -125,7 +126,7 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
         shape = tuple(node.meta["val"].shape)
         for user in node.users:
             t = user.target
-            if t in _VIEWS:
+            if t in VIEW_OPS:
                 dst = tuple(user.meta["val"].shape)
                 for gi, gj in view_groups(shape, dst):
                     if dim in gi:
@@ -150,7 +151,7 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
                 for g in user.users:
                     k = g.args[1]
                     todo.append((g, dim, offset + starts[k], sizes[k]))
-            elif t in _SAME_DIM or (hasattr(t, "tags") and torch.Tag.pointwise in t.tags):
+            elif t in IDENTITY_OPS or (hasattr(t, "tags") and torch.Tag.pointwise in t.tags):
                 if tuple(user.meta["val"].shape)[-len(shape):] == shape:
                     todo.append((user, dim + user.meta["val"].dim() - len(shape), offset, length))
             elif t in (aten.permute.default,):

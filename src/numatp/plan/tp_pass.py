@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from numatp.plan.propagate import ATTENTION_OPS, Shard, Unsupported, propagate
-from numatp.plan.roles import WeightMatmul, column_segments, find_blocks, find_weight_matmuls
+from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, column_segments, find_blocks, find_weight_matmuls
 from numatp.plan.schema import (Block, Colwise, IndexSet, Plan, Replicate, Rowwise, WeightPlan, even_split)
 from numatp.plan.trace import AtenGraph
 
@@ -24,7 +24,6 @@ __all__ = ["plan_graph", "replica_users", "BlockCandidate", "Decider"]
 
 aten = torch.ops.aten
 _SOFTMAX = {aten._softmax.default, aten._safe_softmax.default}
-_TRANSPOSE_OPS = {aten.permute.default, aten.t.default, aten.transpose.int}
 
 
 @dataclass(frozen=True)
@@ -206,7 +205,7 @@ def replica_users(param: torch.fx.Node, by_node: dict[torch.fx.Node, WeightMatmu
     def sharded_use(u: torch.fx.Node) -> bool:
         if u in by_node and u.meta["numatp"].role:
             return True
-        return u.target in _TRANSPOSE_OPS and all(sharded_use(v) for v in u.users)
+        return u.target in TRANSPOSE_OPS and all(sharded_use(v) for v in u.users)
     return [u for u in param.users if not sharded_use(u)]
 
 

@@ -12,7 +12,6 @@ import contextlib
 import os
 import queue
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -175,10 +174,3 @@ def _cpus(topology: Topology, rank: int) -> str:
     from numatp.topology import format_cpulist
     return format_cpulist(topology.sockets[rank].cpus)
 
-
-def check_oversubscription(topology: Topology) -> None:
-    """Warn when the socket groups' threads exceed the CPUs this process may use."""
-    total = sum(len(s.cpus) for s in topology.sockets)
-    if total > len(os.sched_getaffinity(0)):
-        warnings.warn(f"numatp: {total} worker threads for {len(os.sched_getaffinity(0))} usable CPUs; "
-                      "OpenMP slows down badly when oversubscribed", stacklevel=2)
