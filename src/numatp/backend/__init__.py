@@ -54,6 +54,12 @@ class _Variant:
     bindings: list
     build_seconds: float = 0.0
     baseline: Callable | None = None   # policy "auto" chose plain Inductor on all cores for this graph
+    weights: list[list[Any]] | None = None  # per socket: its local weights, None where a call's input goes
+
+    def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
+        """Each socket's program arguments: the weights made at build time, this call's activations."""
+        return [[args[bd.index] if w is None else w for bd, w in zip(bindings, weights)]
+                for bindings, weights in zip(self.bindings, self.weights)]
 
 
 class NumaTPBackend:
@@ -97,9 +103,7 @@ class _CompiledGraph:
             variant = self.variants.get(key) or self._build(key, list(args))
         if variant.baseline is not None:
             return variant.baseline(*args)
-        b = self.backend
-        local = [b.weights.local_args(variant.bindings[r], list(args), r) for r in range(b.topology.num_sockets)]
-        return variant.executor.run(local)
+        return variant.executor.run(variant.local_args(args))
 
     def _build(self, key: tuple, args: list[Any]) -> _Variant:
         import time
@@ -135,7 +139,9 @@ class _CompiledGraph:
                 b.weights.replace(r, plain, prepared)
         local = [b.weights.local_args(bindings[r], args, r) for r in range(n)]
         executor.warm(local)
-        variant = _Variant(plan, executor, bindings, time.perf_counter() - t0)
+        # the weights are fixed for this variant: look them up once, not on every call
+        weights = [[None if bd.placement is None else a for bd, a in zip(bindings[r], local[r])] for r in range(n)]
+        variant = _Variant(plan, executor, bindings, time.perf_counter() - t0, weights=weights)
         self.variants[key] = variant
         log.info("numatp: %d sockets, %d reductions, built in %.1fs", n, plan.reductions, variant.build_seconds)
         return variant
