@@ -152,3 +152,35 @@ def test_auto_policy_follows_the_graph_total(sharded_wins):
     assert all(b.sharded == sharded_wins for b in blocks)
     assert all("test decider" in b.reason for b in blocks)
     assert plan.reductions == (4 if sharded_wins else 0)
+
+
+def test_auto_policy_counts_only_blocks_the_pass_can_shard():
+    # a block the pass must replicate (its norm reduces over the sharded features) is not a candidate:
+    # even a decider that predicts a huge gain for it cannot tip the graph into sharding
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+            self.up, self.norm, self.down = torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            x = x + self.mlp(x)
+            return x + self.down(self.norm(self.up(x)))
+
+    model = Net().eval()
+    x = torch.randn(2, 8, 32)
+    (ag, real), = capture(model, x)
+    seen = []
+
+    def decide(block, sockets):
+        seen.append(block.module)
+        return {"sharded": 1.0, "unsharded": 1.1}, f"test decider for {block.module}"
+
+    plan = plan_graph(ag, 2, policy="auto", decide=decide)
+    assert seen == ["mlp"], seen  # the norm block was never offered
+    by_module = {b.module: b for b in plan.blocks}
+    assert by_module["mlp"].sharded and "test decider" in by_module["mlp"].reason
+    assert not any(b.sharded for m, b in by_module.items() if m != "mlp")
+    (out,) = run_reference([localize(ag, r) for r in range(2)], real)
+    with torch.no_grad():
+        assert_close_to_eager(out, model(x), "auto with a replicated block")

@@ -90,7 +90,14 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
     no_lm_head: set[torch.fx.Node] = set()
     narrowed: set[torch.fx.Node] = set()   # rows whose block retries with only the widest columns split
     if policy == "auto":
-        policy = _auto(find_blocks(matmuls, set()), names, sockets, decide, accepted, reasons)
+        # only blocks the pass can actually shard count: a block it must replicate (a norm over the
+        # sharded features, say) runs whole either way, and its predicted gain would be fiction
+        try:
+            shardable = {b.row for b in plan_graph(ag, sockets, policy="always").blocks if b.sharded and b.row}
+        except ValueError:  # these sockets cannot split some block's heads: nothing is sharded
+            shardable = set()
+        candidates = [(row, cols) for row, cols in find_blocks(matmuls, set()) if names[row.param] in shardable]
+        policy = _auto(candidates, names, sockets, decide, accepted, reasons)
     while True:
         blocks = find_blocks(matmuls, excluded) if policy != "never" else []
         column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]] = {}
