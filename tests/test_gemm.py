@@ -142,3 +142,29 @@ def test_aten_winner_leaves_graph_unchanged(tmp_path):
 def test_gemm_off_by_option(tmp_path):
     backend = _run("gpt2", torch.float32, 1, False)
     assert backend.gemm is None
+
+
+def test_preview_chooses_like_apply_without_touching_the_programs(tmp_path):
+    from numatp.plan import capture, plan_graph
+    from numatp.plan.localize import localize
+    from numatp.plan.reference import bind_inputs
+    from numatp.runtime import SocketGroup
+    from numatp.runtime.gemm_pass import GemmSelector
+
+    model = zoo.build("gpt2", tiny=True)
+    ((ag, inputs),) = capture(model, **zoo.example_inputs(model, batch=1, seq=16))
+    plan_graph(ag, 2)
+    programs = [localize(ag, r) for r in range(2)]
+    args = [bind_inputs(p.bindings, inputs, p.rank) for p in programs]
+    weights = [{i for i, bd in enumerate(p.bindings) if bd.placement is not None} for p in programs]
+    before = [p.gm.code for p in programs]
+    selector = GemmSelector(GemmOptions(force="mkl_packed", cache_dir=str(tmp_path)))
+    with SocketGroup(Topology.virtual(sockets=2)) as group:
+        rows = selector.preview(group, [p.gm for p in programs], args, weights)
+        assert rows and {r["provider"] for r in rows} == {"mkl_packed"}
+        assert [p.gm.code for p in programs] == before      # nothing rewritten
+        assert not any(getattr(a, "_numatp_gemm", None) for r in args for a in r)  # nothing packed
+        _, new_args, swaps = selector.apply(group, [p.gm for p in programs], args, weights)
+    assert [(r["rank"], r["weight"], r["provider"]) for r in selector.report()] == \
+        [(r["rank"], r["weight"], r["provider"]) for r in rows]
+    assert sum(len(s) for s in swaps) == len(rows)

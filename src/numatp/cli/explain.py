@@ -26,13 +26,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="'always' shards every block the pass understands, 'never' none, 'auto' asks the cost "
                    "model per block and shows its predicted times")
     p.add_argument("--tiny", action="store_true", help="use the shrunken test config of the preset")
+    p.add_argument("--gemm", action="store_true",
+                   help="also show, per socket and weight-matmul shape, the GEMM provider numatp.compile(..., "
+                   "gemm=True) picks and the measured rates behind it (measures shapes not yet in the cache, "
+                   "on the sockets' own pinned threads)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)
     return p
 
 
 def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, policy: str = "always",
-            tiny: bool = False) -> dict:
+            tiny: bool = False, gemm: bool = False) -> dict:
     import torch
 
     from numatp import zoo
@@ -45,7 +49,7 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
     if policy == "auto":
         from numatp.backend import default_decider, resolve_topology
         decide = default_decider(resolve_topology(sockets))
-    for ag, _ in graphs:
+    for ag, inputs in graphs:
         plan = plan_graph(ag, sockets, policy=policy, decide=decide)
         weights = []
         for name, uses in plan.weights.items():
@@ -65,13 +69,65 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
             "model_bytes": plan.model_bytes, "sharded_fraction": sharded_bytes / max(plan.model_bytes, 1),
             "socket_bytes": [plan.socket_bytes(r) for r in range(sockets)],
         })
+        if gemm:
+            out["graphs"][-1]["gemm"] = _gemm_choices(ag, inputs, sockets) if _runs_sharded(plan, policy) else None
     return out
+
+
+def _runs_sharded(plan, policy: str) -> bool:
+    """Whether numatp.compile runs this plan as socket programs (else plain Inductor, Inductor's GEMMs)."""
+    return policy == "always" or (policy == "auto" and any(b.sharded for b in plan.blocks if b.kind != "lm_head"))
+
+
+def _gemm_choices(ag, inputs: list, sockets: int) -> dict:
+    """Per socket and weight matmul: shape, provider picked and measured GFLOP/s (GemmSelector.preview)."""
+    from numatp.backend import resolve_topology
+    from numatp.plan.localize import localize
+    from numatp.plan.reference import bind_inputs
+    from numatp.runtime import SocketGroup
+    from numatp.runtime.gemm_pass import GemmSelector
+
+    programs = [localize(ag, r) for r in range(sockets)]
+    args = [bind_inputs(p.bindings, inputs, p.rank) for p in programs]
+    weights = [{i for i, bd in enumerate(p.bindings) if bd.placement is not None} for p in programs]
+    selector = GemmSelector()
+    with SocketGroup(resolve_topology(sockets)) as group:
+        rows = selector.preview(group, [p.gm for p in programs], args, weights)
+    return {"cache": str(selector.table.path), "margin": selector.options.margin, "rows": rows}
+
+
+def _print_gemm(g: dict) -> None:
+    if g.get("gemm") is None:
+        print("\nGEMM providers: this graph runs unsharded as plain Inductor (its own matmul kernels)")
+        return
+    shapes: dict[tuple, dict] = {}
+    for r in g["gemm"]["rows"]:
+        key = (r["m"], r["k"], r["n"], r["dtype"], r["threads"], r["provider"])
+        e = shapes.setdefault(key, {"sockets": set(), "uses": 0, "rates": r["rates"]})
+        e["sockets"].add(r["rank"])
+        e["uses"] += 1
+    providers = sorted({p for e in shapes.values() for p in e["rates"]})
+    print(f"\nGEMM providers (GFLOP/s measured on this CPU at each socket's thread count; cache "
+          f"{g['gemm']['cache']})")
+    print(f"{'M x K x N':<20} {'dtype':<9} {'threads':>7} {'sockets':<8} {'per socket':>10}  {'chosen':<15}"
+          + "".join(f"{p:>15}" for p in providers))
+    for (m, k, n, dt, t, prov), e in sorted(shapes.items()):
+        socks = ",".join(str(x) for x in sorted(e["sockets"]))
+        per_socket = e["uses"] // len(e["sockets"])
+        print(f"{f'{m} x {k} x {n}':<20} {dt:<9} {t:>7} {socks:<8} {per_socket:>10}  {prov:<15}"
+              + "".join(f"{_rate(e['rates'].get(p)):>15}" for p in providers))
+    print(f"(-: the provider does not run this dtype on this CPU; another provider replaces aten only when "
+          f"measured at least {100 * (g['gemm']['margin'] - 1):.0f}% faster)")
+
+
+def _rate(r: float | None) -> str:
+    return "-" if not r else f"{r:.1f}"
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         info = explain(args.model, sockets=args.sockets, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                       policy=args.policy, tiny=args.tiny)
+                       policy=args.policy, tiny=args.tiny, gemm=args.gemm)
     except ValueError as e:
         print(f"numatp explain: {e}", file=sys.stderr)
         return 2
@@ -97,4 +153,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"cross-socket reductions: {g['reductions']} all-reduce, {g['gathers']} gather")
         print(f"weights: {g['model_bytes'] / _MIB:.1f} MiB, {100 * g['sharded_fraction']:.1f}% sharded; per socket: "
               + ", ".join(f"{b / _MIB:.1f} MiB" for b in g["socket_bytes"]))
+        if "gemm" in g:
+            _print_gemm(g)
     return 0

@@ -140,23 +140,16 @@ class GemmSelector:
               weights: list[set[int]]) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list[dict[int, tuple]]]:
         """Rewritten programs, their arguments (prepared operands in place of plain shards), and per rank
         ``{argument index: (plain, operand)}`` for the weights whose operand is new."""
-        threads = [len(s.cpus) for s in group.topology.sockets]
-        sites = [_find_sites(gm, a, w, t) for gm, a, w, t in zip(gms, args, weights, threads)]
+        sites = self._sites(group, gms, args, weights)
         self._measure(group, sites, args)
         swaps: list[dict[int, tuple]] = [{} for _ in gms]
         todo: list[dict[int, tuple[Provider, torch.Tensor, int, str]]] = [{} for _ in gms]
-        self.choices = []
-        for rank, (gm, rank_sites) in enumerate(zip(gms, sites)):
+        self.choices = [self._choose(rank, gm, rank_sites, args[rank])
+                        for rank, (gm, rank_sites) in enumerate(zip(gms, sites))]
+        for rank, (gm, rank_sites, choice) in enumerate(zip(gms, sites, self.choices)):
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-            choice = GemmChoice(rank)
             for ph, group_sites in rank_sites.items():
-                idx = names.index(ph.name)
-                info = getattr(args[rank][idx], "_numatp_gemm", None)
-                prov = info.provider if info else self._decide(group_sites)
-                s0 = group_sites[0].shape
-                choice.providers[ph.name] = prov
-                choice.shapes[ph.name] = s0
-                choice.rates[ph.name] = self.table.get(s0) or {}
+                prov = choice.providers[ph.name]
                 if prov == "aten":
                     continue
                 for site in group_sites:
@@ -164,11 +157,12 @@ class GemmSelector:
                 for u in list(ph.users):  # transposes only the rewritten matmuls read
                     if u.target in (aten.permute.default, aten.t.default) and not u.users:
                         gm.graph.erase_node(u)
-                if info is None:
-                    todo[rank][idx] = (PROVIDERS[prov], args[rank][idx], s0.m, s0.layout)
+                idx = names.index(ph.name)
+                if getattr(args[rank][idx], "_numatp_gemm", None) is None:
+                    todo[rank][idx] = (PROVIDERS[prov], args[rank][idx], choice.shapes[ph.name].m,
+                                       choice.shapes[ph.name].layout)
             gm.graph.lint()
             gm.recompile()
-            self.choices.append(choice)
         made = group.run(lambda rank: {i: _prepare(p, w, m, lay) for i, (p, w, m, lay) in todo[rank].items()})
         new_args = [list(a) for a in args]
         for rank, ops in enumerate(made):
@@ -176,6 +170,35 @@ class GemmSelector:
                 swaps[rank][i] = (args[rank][i], op)
                 new_args[rank][i] = op
         return gms, new_args, swaps
+
+    def preview(self, group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]],
+                weights: list[set[int]]) -> list[dict[str, Any]]:
+        """What :meth:`apply` would choose (measuring what the table lacks), without rewriting the programs
+        or preparing any operand: :meth:`report`'s rows."""
+        sites = self._sites(group, gms, args, weights)
+        self._measure(group, sites, args)
+        self.choices = [self._choose(rank, gm, rank_sites, args[rank])
+                        for rank, (gm, rank_sites) in enumerate(zip(gms, sites))]
+        return self.report()
+
+    @staticmethod
+    def _sites(group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]],
+               weights: list[set[int]]) -> list[dict[torch.fx.Node, list[_Site]]]:
+        threads = [len(s.cpus) for s in group.topology.sockets]
+        return [_find_sites(gm, a, w, t) for gm, a, w, t in zip(gms, args, weights, threads)]
+
+    def _choose(self, rank: int, gm: torch.fx.GraphModule, rank_sites: dict[torch.fx.Node, list[_Site]],
+                args: list[Any]) -> GemmChoice:
+        """Provider per weight placeholder: the one an operand was already prepared for, else measured."""
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        choice = GemmChoice(rank)
+        for ph, group_sites in rank_sites.items():
+            info = getattr(args[names.index(ph.name)], "_numatp_gemm", None)
+            s0 = group_sites[0].shape
+            choice.providers[ph.name] = info.provider if info else self._decide(group_sites)
+            choice.shapes[ph.name] = s0
+            choice.rates[ph.name] = self.table.get(s0) or {}
+        return choice
 
     def _decide(self, sites: list[_Site]) -> str:
         allowed = [p for p in ("aten", *self.options.providers)
