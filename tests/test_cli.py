@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 
-def _numatp(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _numatp(*args: str, timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "numatp", *args], capture_output=True, text=True, timeout=timeout,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"} | _keep_env())
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"} | _keep_env() | (env or {}))
 
 
 def _keep_env() -> dict[str, str]:
@@ -28,6 +28,44 @@ def test_explain_json_lists_blocks_and_reductions():
     assert kinds == ["attention", "attention", "lm_head", "mlp", "mlp"]
     assert 0.5 < g["sharded_fraction"] < 1.0
     assert sum(g["socket_bytes"]) > g["model_bytes"]  # replicated tensors are counted on each socket
+
+
+def test_explain_gemm_shows_provider_and_rate_per_socket_shape(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    r = _numatp("explain", "gpt2", "--tiny", "--sockets", "2", "--gemm", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    (g,) = json.loads(r.stdout)["graphs"]
+    rows = g["gemm"]["rows"]
+    assert g["gemm"]["cache"].startswith(str(tmp_path))
+    # tiny GPT-2 (hidden 64, 2 layers, 2 sockets): each socket holds half of every sharded weight
+    assert {r["rank"] for r in rows} == {0, 1}
+    shapes = {(r["k"], r["n"]) for r in rows if r["rank"] == 0}
+    assert {(64, 96), (32, 64), (64, 128), (128, 64)} <= shapes  # c_attn, attn c_proj, c_fc, mlp c_proj halves
+    assert all(r["m"] == 128 and r["threads"] == 1 for r in rows)
+    for row in rows:
+        assert row["rates"]["aten"] > 0 and row["gflops"] == row["rates"][row["provider"]] > 0
+        best = max(row["rates"].values())
+        assert row["provider"] == "aten" or row["gflops"] == best
+    text = _numatp("explain", "gpt2", "--tiny", "--sockets", "2", "--gemm", env=env)
+    assert text.returncode == 0, text.stderr
+    assert "GEMM providers" in text.stdout and "128 x 64 x 96" in text.stdout
+    never = _numatp("explain", "gpt2", "--tiny", "--sockets", "2", "--gemm", "--policy", "never", env=env)
+    assert "runs unsharded as plain Inductor" in never.stdout
+
+
+def test_topo_shows_gemm_ceilings_of_this_cpu(tmp_path):
+    from numatp.runtime.gemm import GemmShape, GemmTable
+
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    empty = _numatp("topo", env=env)
+    assert empty.returncode == 0 and "none measured on this CPU yet" in empty.stdout
+    GemmTable(tmp_path / "numatp").put({GemmShape(512, 1024, 4096, "float32", "kn", 2): {"aten": 61.5, "onednn": 70.25},
+                                        GemmShape(128, 64, 64, "float32", "kn", 2): {"aten": 80.0, "onednn": 3.0}})
+    r = _numatp("topo", "--json", env=env)
+    assert json.loads(r.stdout)["gemm_ceilings"] == {"float32": {"2": {"aten": 80.0, "onednn": 70.25}}}
+    text = _numatp("topo", env=env).stdout
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith("float32"))
+    assert row == ["float32", "2", "80.0", "70.2", "aten"] or row == ["float32", "2", "80.0", "70.3", "aten"]
 
 
 def test_explain_bad_socket_count_is_a_clear_error():

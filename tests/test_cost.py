@@ -156,9 +156,10 @@ def test_choose_and_decide_agree():
         assert "haswell-ex-4s" in d.reason
 
 
-def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
     return subprocess.run([sys.executable, "-m", "numatp", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+                          timeout=timeout, check=False, env={**os.environ, **(env or {})})
 
 
 def test_predict_json_has_speedup():
@@ -172,9 +173,18 @@ def test_predict_json_has_speedup():
 def test_calibrate_quick_virtual_two_sockets(tmp_path):
     # The one test that measures this host: --quick on a virtual 2-socket topology (under a minute).
     path = tmp_path / "profile.json"
-    out = _cli("calibrate", "--quick", "--virtual", "2", "--out", str(path), timeout=90)
+    out = _cli("calibrate", "--quick", "--virtual", "2", "--out", str(path), timeout=180,
+               env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stderr
     assert "GEMM" in out.stderr  # progress goes to stderr
+    # the GEMM ceilings: printed per dtype and provider, and written to the table gemm=True reads
+    from numatp.runtime.gemm import CEILING_SHAPE, ceiling_table
+    table = ceiling_table(cache_dir=tmp_path / "cache" / "numatp")
+    fp32 = table["float32"][1]  # one CPU per virtual socket here
+    assert fp32["aten"] > 0 and set(fp32) >= {"aten", "onednn", "onednn_packed", "mkl_packed"}
+    row = next(line.split() for line in out.stdout.splitlines() if line.startswith("float32"))
+    assert f"{fp32['aten']:.1f}" in row and row[-1] == max(fp32, key=lambda k: fp32[k])
+    assert f"{CEILING_SHAPE[0]} x {CEILING_SHAPE[1]} x {CEILING_SHAPE[2]}" in out.stdout
     p = MachineProfile.from_json(json.loads(path.read_text()))
     assert p.sockets == 2 and p.remote_bw_gbs is None and p.local_bw_gbs > 0
     assert {r[0] for r in p.gemm_table} == {"float32", "bfloat16"} and all(r[4] > 0 for r in p.gemm_table)

@@ -17,7 +17,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="measure GEMM rate, bandwidth, barrier and all-reduce cost; save a profile",
         description="Measure per-socket GEMM throughput (fp32, bf16), local and remote DRAM bandwidth, "
         "barrier latency and all-reduce cost with pinned threads and node-placed buffers, and save "
-        "them as a profile JSON for `numatp predict` and policy='auto'. About 1-3 minutes.",
+        "them as a profile JSON for `numatp predict` and policy='auto'; then time every GEMM provider "
+        "(MKL, oneDNN, packed or not) on one socket and print these ceilings, which also go into the "
+        "GEMM table that gemm=True reads. About 1-3 minutes.",
     )
     parser.add_argument("--out", metavar="PATH", default=None,
                         help=f"where to write the profile (default: {default_profile_path()})")
@@ -32,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from numatp.cost.calibrate import measure_profile  # imports torch: only when the command runs
+    from numatp.cost.calibrate import measure_gemm_ceilings, measure_profile  # imports torch: only here
     from numatp.topology import Topology
 
     try:
@@ -54,5 +56,22 @@ def run(args: argparse.Namespace) -> int:
     profile = measure_profile(topo, quick=args.quick, progress=progress)
     path = save_profile(profile, args.out or default_profile_path())
     progress(f"saved {path}")
+    ceilings = measure_gemm_ceilings(topo, progress=progress)
     print(path)
+    print(render_ceilings(ceilings, len(topo.sockets[0].cpus)))
     return 0
+
+
+def render_ceilings(ceilings: dict[str, dict[str, float]], threads: int) -> str:
+    """The table of GEMM rates per dtype and provider that ``calibrate`` prints."""
+    from numatp.runtime.gemm import CEILING_SHAPE
+
+    m, k, n = CEILING_SHAPE
+    providers = sorted({p for r in ceilings.values() for p in r})
+    lines = [f"GEMM ceilings, GFLOP/s at {m} x {k} x {n} on socket 0 ({threads} threads; - = cannot run here)",
+             f"{'dtype':<10}" + "".join(f"{p:>16}" for p in providers) + f"{'best':>16}"]
+    for dt, rates in ceilings.items():
+        best = max(rates, key=lambda p: rates[p])
+        lines.append(f"{dt:<10}" + "".join(f"{(f'{rates[p]:.1f}' if rates.get(p) else '-'):>16}" for p in providers)
+                     + f"{best:>16}")
+    return "\n".join(lines)

@@ -40,8 +40,35 @@ def run(args: argparse.Namespace) -> int:
             topo = Topology.detect(root=args.sysfs_root)
     except ValueError as e:
         raise SystemExit(f"numatp topo: {e}") from e
-    print(json.dumps(topo.to_dict(), indent=2) if args.json else render(topo))
+    # GEMM ceilings describe this CPU: not shown for another machine's sysfs copy
+    ceilings = _gemm_ceilings() if args.sysfs_root == "/sys" else None
+    if args.json:
+        print(json.dumps({**topo.to_dict(), **({"gemm_ceilings": ceilings} if ceilings is not None else {})},
+                         indent=2))
+    else:
+        print(render(topo) + ("" if ceilings is None else "\n\n" + render_gemm(ceilings)))
     return 0
+
+
+def _gemm_ceilings() -> dict[str, dict[str, dict[str, float]]]:
+    """``{dtype: {threads: {provider: GFLOP/s}}}`` from the GEMM table of this CPU (JSON-ready keys)."""
+    from numatp.runtime.gemm import ceiling_table  # imports torch: only where the table is read
+
+    return {dt: {str(t): r for t, r in sorted(by_t.items())} for dt, by_t in sorted(ceiling_table().items())}
+
+
+def render_gemm(ceilings: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The GEMM ceilings section of ``numatp topo``: best measured rate per dtype, thread count, provider."""
+    from numatp.runtime.gemm import GemmTable
+
+    if not ceilings:
+        return (f"GEMM ceilings: none measured on this CPU yet ({GemmTable().path}); run numatp calibrate, or "
+                "compile with gemm=True")
+    providers = sorted({p for by_t in ceilings.values() for r in by_t.values() for p in r})
+    rows = [[dt, t, *(f"{r[p]:.1f}" if r.get(p) else "-" for p in providers),
+             max(r, key=lambda p: r[p])] for dt, by_t in ceilings.items() for t, r in by_t.items()]
+    return "\n".join(["GEMM ceilings (best measured GFLOP/s per provider; - = cannot run here)",
+                      *_table(["dtype", "threads", *providers, "best"], rows)])
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -19,7 +19,7 @@ import torch
 from numatp.cost.profile import MachineProfile
 from numatp.topology import Topology
 
-__all__ = ["measure_profile"]
+__all__ = ["measure_profile", "measure_gemm_ceilings"]
 
 T = TypeVar("T")
 _SIZES = {"full": (256, 512, 1024), "quick": (128, 256)}
@@ -162,6 +162,16 @@ def measure_profile(
             "gemm_half_flops": "default: measured rows replace the efficiency curve",
         },
     )
+
+
+def measure_gemm_ceilings(topo: Topology, *, progress: Callable[[str], None] = lambda _: None
+                          ) -> dict[str, dict[str, float]]:
+    """Every GEMM provider's rate on socket 0's pinned threads (``numatp.runtime.gemm.measure_ceilings``):
+    ``{dtype: {provider: GFLOP/s}}``, also written to the GEMM table that ``gemm=True`` reads."""
+    from numatp.runtime.gemm import measure_ceilings
+
+    s0 = topo.sockets[0]
+    return _pinned(s0.cpus, lambda: measure_ceilings(len(s0.cpus), progress=progress))
 
 
 def _l3_mib(cpu: int) -> float:

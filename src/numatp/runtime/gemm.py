@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "cpu_signature", "ceilings",
-           "best_provider", "default_cache_dir"]
+           "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir"]
 
 mkldnn = torch.ops.mkldnn
 
@@ -242,6 +242,39 @@ def ceilings(dtype: str | torch.dtype, *, cache_dir: str | os.PathLike | None = 
         for p, r in rates.items():
             best[p] = max(best.get(p, 0.0), r)
     return best
+
+
+def ceiling_table(*, cache_dir: str | os.PathLike | None = None) -> dict[str, dict[int, dict[str, float]]]:
+    """Best measured GFLOP/s per dtype, thread count and provider: ``{dtype: {threads: {provider: rate}}}``."""
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for key, rates in GemmTable(cache_dir).entries.items():
+        parts = key.split("|")
+        best = out.setdefault(parts[0], {}).setdefault(int(parts[-1].removeprefix("t")), {})
+        for p, r in rates.items():
+            best[p] = max(best.get(p, 0.0), r)
+    return out
+
+
+CEILING_SHAPE = (512, 1024, 4096)
+"""``(M, K, N)`` at which ``measure_ceilings`` times every provider: a 512-token prefill through a
+1024 -> 4096 weight (GPT-2 medium's MLP up-projection), large enough for each kernel's steady rate."""
+
+
+def measure_ceilings(threads: int, dtypes: tuple[str, ...] = ("float32", "bfloat16"), *,
+                     cache_dir: str | os.PathLike | None = None,
+                     progress: Callable[[str], None] = lambda _: None) -> dict[str, dict[str, float]]:
+    """Every provider's GFLOP/s at ``CEILING_SHAPE`` per dtype, on the calling thread, which must run
+    ``threads`` torch threads pinned where they should be measured; the rates join the on-disk table.
+    A provider that cannot run the dtype here reports 0.0; one slower than a second per call (torch's
+    bf16 loops on CPUs without bf16 instructions) is timed on a 32-row probe instead."""
+    m, k, n = CEILING_SHAPE
+    found: dict[GemmShape, dict[str, float]] = {}
+    for dt in dtypes:
+        shape = GemmShape(m, k, n, dt, "kn", threads)
+        progress(f"GEMM providers, {dt}, {m} x {k} x {n}, {threads} threads")
+        found[shape] = {name: round(measure(prov, shape, max_call_seconds=1.0), 2) for name, prov in PROVIDERS.items()}
+    GemmTable(cache_dir).put(found)
+    return {s.dtype: r for s, r in found.items()}
 
 
 def best_provider(rates: dict[str, float], allowed: list[str], *, margin: float = 1.05) -> str:
