@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
 
 SYSFS_FIXTURES = Path(__file__).parent / "fixtures" / "sysfs"
@@ -19,3 +21,16 @@ def sysfs_root():
         return path
 
     return root
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory):
+    """GEMM rates and profiles go to a folder of this test session, never to the user's ~/.cache (CLI
+    subprocesses inherit the variable)."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old

@@ -24,13 +24,13 @@ def _fresh_dynamo():
     yield
 
 
-def _eager_and_compiled(family, dtype, sockets, mode, batch=2, seq=16):
+def _eager_and_compiled(family, dtype, sockets, mode, batch=2, seq=16, gemm=None):
     model = zoo.build(family, tiny=True, dtype=dtype)
     inputs = zoo.example_inputs(model, batch=batch, seq=seq)
     topo = Topology.virtual(sockets=sockets) if sockets <= 2 else shared_cpu_topology(sockets)
     with torch.inference_mode():
         expected = model(**inputs).logits
-        compiled = numatp.compile(model, sockets=topo, mode=mode)
+        compiled = numatp.compile(model, sockets=topo, mode=mode, gemm=gemm)
         actual = compiled(**inputs).logits
     return model, inputs, compiled, expected, actual
 
@@ -39,14 +39,20 @@ def _eager_and_compiled(family, dtype, sockets, mode, batch=2, seq=16):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("sockets", [1, 2, 4])
 def test_runtime_equals_eager(family, dtype, sockets):
-    """Threaded runtime, every family; segments run uncompiled here (Inductor is covered below)."""
-    *_, expected, actual = _eager_and_compiled(family, dtype, sockets, "eager")
+    """Threaded runtime, every family, default GEMM providers (measured on this CPU); segments run
+    uncompiled here (Inductor is covered below)."""
+    *_, compiled, expected, actual = _eager_and_compiled(family, dtype, sockets, "eager")
     assert_close_to_eager(actual, expected, f"{family} {dtype} {sockets} sockets")
+    gemm = compiled._numatp_backend.gemm
+    assert gemm is not None and gemm.report()  # on by default: every weight matmul got a measured choice
+    assert all(r["gflops"] for r in gemm.report())
 
 
 @pytest.mark.parametrize("sockets", [1, 2])
 def test_inductor_segments_equal_eager(sockets):
-    model, inputs, compiled, expected, actual = _eager_and_compiled("gpt2", torch.float32, sockets, "inductor")
+    # Inductor's own matmuls (gemm=False): the segment count below is exact, whatever this CPU's GEMM rates
+    model, inputs, compiled, expected, actual = _eager_and_compiled("gpt2", torch.float32, sockets, "inductor",
+                                                                    gemm=False)
     assert_close_to_eager(actual, expected, f"gpt2 inductor {sockets} sockets")
     backend = compiled._numatp_backend
     if sockets == 1:
@@ -156,6 +162,18 @@ def test_auto_policy_compiles_and_equals_eager():
     (variant,) = [v for g in compiled._numatp_backend.graphs for v in g.variants.values()]
     # a graph where no block pays for sharding runs as plain torch.compile, never replicated per socket
     assert (variant.baseline is not None) == (not any(b.sharded for b in decided))
+
+
+def test_never_policy_runs_plain_inductor_on_all_cores():
+    model = zoo.build("gpt2", tiny=True)
+    inputs = zoo.example_inputs(model, batch=1, seq=16)
+    with torch.inference_mode():
+        compiled = numatp.compile(model, sockets=Topology.virtual(sockets=2), policy="never", mode="eager")
+        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "never")
+    (plan,) = compiled._numatp_backend.plans
+    assert not any(b.sharded for b in plan.blocks)
+    (variant,) = [v for g in compiled._numatp_backend.graphs for v in g.variants.values()]
+    assert variant.baseline is not None and variant.executor is None
 
 
 def test_keyboard_interrupt_leaves_the_group_usable():

@@ -53,7 +53,7 @@ class _Variant:
     executor: ShardedExecutor | None
     bindings: list
     build_seconds: float = 0.0
-    baseline: Callable | None = None   # policy "auto" chose plain Inductor on all cores for this graph
+    baseline: Callable | None = None   # nothing sharded (policy "never", or "auto"): plain Inductor, all cores
     weights: list[list[Any]] | None = None  # per socket: its local weights, None where a call's input goes
 
     def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
@@ -115,9 +115,10 @@ class _CompiledGraph:
         if b.policy == "auto":
             decide = b.decide or default_decider(b.topology)
         plan = plan_graph(ag, n, policy=b.policy, decide=decide)
-        if b.policy == "auto" and not any(blk.sharded for blk in plan.blocks if blk.kind != "lm_head"):
-            # no block pays for sharding: replicated blocks would run on one socket's cores each, so
-            # the whole graph runs as plain torch.compile on all cores instead (never slower than it)
+        if b.policy == "never" or (b.policy == "auto"
+                                   and not any(blk.sharded for blk in plan.blocks if blk.kind != "lm_head")):
+            # nothing sharded: replicated blocks would run on one socket's cores each, so the whole
+            # graph runs as plain torch.compile on all cores instead (never slower than it)
             if b.compiler.mode == "eager":
                 fn = self.gm
             else:
@@ -126,7 +127,7 @@ class _CompiledGraph:
                     fn = compile_fx(self.gm, args)
             variant = _Variant(plan, None, [], time.perf_counter() - t0, baseline=fn)
             self.variants[key] = variant
-            log.info("numatp: policy auto keeps this graph unsharded (plain Inductor)")
+            log.info("numatp: policy %s keeps this graph unsharded (plain Inductor)", b.policy)
             return variant
         programs = [localize(ag, r) for r in range(n)]
         bindings = [p.bindings for p in programs]
@@ -181,8 +182,10 @@ def _gemm_selector(gemm: bool | GemmOptions | None) -> GemmSelector | None:
     return GemmSelector(gemm if isinstance(gemm, GemmOptions) else GemmOptions())
 
 
-GEMM_DEFAULT = False
-"""Whether numatp picks measured GEMM providers when ``gemm`` is not given."""
+GEMM_DEFAULT = True
+"""Whether numatp picks measured GEMM providers when ``gemm`` is not given: yes, each weight matmul of a
+socket program runs the provider measured fastest for its shape, dtype and thread count on this CPU (cached
+in ``~/.cache/numatp``), ``aten`` (Inductor's call) unless another wins by ``GemmOptions.margin``."""
 
 
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",
@@ -192,8 +195,8 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
 
     ``sockets``: None uses the detected topology; an int N its first N sockets (N virtual sockets on a
     single-node machine); or a :class:`numatp.Topology`. ``policy``: "always" shards every block numatp
-    understands, "never" none (the per-socket machinery with replicated work), "auto" asks the cost model
-    per block. ``mode="eager"`` skips Inductor (debugging). ``gemm``: pick each weight matmul's kernel
+    understands, "never" none (the graph runs as plain Inductor on all cores), "auto" asks the cost
+    model per block and shards the whole graph or none of it. ``mode="eager"`` skips Inductor (debugging). ``gemm``: pick each weight matmul's kernel
     (MKL, oneDNN, packed or not) by measuring it on this CPU (``True``, or :class:`GemmOptions`), keep
     Inductor's (``False``), or numatp's default (``None``).
     """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket as _socket
 from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
@@ -113,8 +114,10 @@ class MachineProfile:
 
 
 def default_profile_path() -> Path:
-    """Where ``numatp calibrate`` saves this host's profile: ``~/.cache/numatp/profile-<hostname>.json``."""
-    return Path.home() / ".cache" / "numatp" / f"profile-{_socket.gethostname()}.json"
+    """Where ``numatp calibrate`` saves this host's profile: ``~/.cache/numatp/profile-<hostname>.json``
+    (``$XDG_CACHE_HOME/numatp`` where that is set, beside the GEMM table)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "numatp" / f"profile-{_socket.gethostname()}.json"
 
 
 def save_profile(profile: MachineProfile, path: str | Path) -> Path:
