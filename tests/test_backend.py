@@ -150,30 +150,23 @@ def test_concurrent_calls_are_a_clear_error_or_correct():
     assert errors and "one prefill at a time" in errors[0]
 
 
-def test_auto_policy_compiles_and_equals_eager():
+@pytest.mark.parametrize("policy", ["auto", "never"])
+def test_unsharded_policies_run_plain_inductor(policy):
+    # "never", and "auto" where no block pays for sharding, run the graph as plain torch.compile on
+    # all cores, never replicated per socket
     model = zoo.build("gpt2", tiny=True)
     inputs = zoo.example_inputs(model, batch=1, seq=16)
     with torch.inference_mode():
-        compiled = numatp.compile(model, sockets=Topology.virtual(sockets=2), policy="auto", mode="eager")
-        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto")
+        compiled = numatp.compile(model, sockets=Topology.virtual(sockets=2), policy=policy, mode="eager")
+        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, policy)
     (plan,) = compiled._numatp_backend.plans
     decided = [b for b in plan.blocks if b.kind != "lm_head"]
-    assert decided and all("predicted" in b.reason for b in decided)
+    if policy == "auto":
+        assert decided and all("predicted" in b.reason for b in decided)
     (variant,) = [v for g in compiled._numatp_backend.graphs for v in g.variants.values()]
-    # a graph where no block pays for sharding runs as plain torch.compile, never replicated per socket
-    assert (variant.baseline is not None) == (not any(b.sharded for b in decided))
-
-
-def test_never_policy_runs_plain_inductor_on_all_cores():
-    model = zoo.build("gpt2", tiny=True)
-    inputs = zoo.example_inputs(model, batch=1, seq=16)
-    with torch.inference_mode():
-        compiled = numatp.compile(model, sockets=Topology.virtual(sockets=2), policy="never", mode="eager")
-        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "never")
-    (plan,) = compiled._numatp_backend.plans
-    assert not any(b.sharded for b in plan.blocks)
-    (variant,) = [v for g in compiled._numatp_backend.graphs for v in g.variants.values()]
-    assert variant.baseline is not None and variant.executor is None
+    unsharded = not any(b.sharded for b in plan.blocks)
+    assert unsharded or policy == "auto"
+    assert (variant.baseline is not None) == unsharded and (variant.executor is None) == unsharded
 
 
 def test_keyboard_interrupt_leaves_the_group_usable():

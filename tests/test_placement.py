@@ -200,4 +200,20 @@ def test_custom_op_runs_and_traces():
 
 
 def test_public_names():
-    assert sorted(numatp.placement.__all__) == ["PlacementError", "membind", "numa_clone", "pages_by_node"]
+    assert sorted(numatp.placement.__all__) == ["PlacementError", "membind", "numa_clone", "pages_by_node",
+                                                "process_bytes_by_node"]
+
+
+def test_process_bytes_by_node_sums_every_mapping(tmp_path):
+    from numatp.placement import process_bytes_by_node
+
+    maps = tmp_path / "numa_maps"
+    maps.write_text(
+        "7f0000000000 bind:1 anon=512 dirty=512 N1=512 kernelpagesize_kB=4\n"
+        "7f1000000000 default file=/usr/lib/libc.so.6 mapped=10 mapmax=3 N0=7 N1=3 kernelpagesize_kB=4\n"
+        "7f2000000000 default huge anon=2 dirty=2 N0=2 kernelpagesize_kB=2048\n"
+        "7f3000000000 default\n")
+    assert process_bytes_by_node(maps) == {0: 7 * 4096 + 2 * (2 << 20), 1: 515 * 4096}
+    assert set(process_bytes_by_node()) <= set(range(1024))  # this process, on this machine
+    with pytest.raises(PlacementError, match="no NUMA memory map"):
+        process_bytes_by_node(tmp_path / "missing")

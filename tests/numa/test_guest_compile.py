@@ -32,3 +32,28 @@ def test_compiled_tiny_gpt2_places_shards_and_matches_eager(topology):
     for rank, seen in enumerate(cpus):
         node_cpus = topology.node(topology.sockets[rank].node).cpus
         assert set(seen) <= set(node_cpus), f"socket {rank} worker runs on {seen}, outside node CPUs {node_cpus}"
+
+
+@pytest.mark.parametrize("provider", ["onednn_packed", "mkl_packed"])
+def test_packed_gemm_weight_is_made_in_its_socket_node(topology, provider):
+    # Packed operands are opaque (no data pointer for pages_by_node): the process's resident bytes per
+    # node (numa_maps) must grow on the socket's own node by the packed weight's size when a socket
+    # worker packs it, as the GEMM pass does. 64 MiB: above glibc's largest mmap threshold, so the
+    # buffer is fresh pages, not memory freed earlier on another node.
+    from numatp.placement import process_bytes_by_node
+    from numatp.runtime import SocketGroup
+    from numatp.runtime.gemm import PROVIDERS
+    from numatp.runtime.gemm_pass import _prepare
+
+    w = torch.randn(4096, 4096)
+    size = w.numel() * w.element_size()
+    with SocketGroup(topology) as group:
+        for rank, socket in enumerate(topology.sockets):
+            before = process_bytes_by_node()
+            made = group.run(lambda r: _prepare(PROVIDERS[provider], w, 64, "nk") if r == rank else None)
+            after = process_bytes_by_node()
+            grew = {n: after.get(n, 0) - before.get(n, 0) for n in set(after) | set(before)}
+            assert made[rank]._numatp_gemm.provider == provider
+            assert grew[socket.node] >= 0.9 * size, f"socket {rank} packed {size} bytes; grew per node {grew}"
+            assert all(g < 0.1 * size for n, g in grew.items() if n != socket.node), grew
+            del made

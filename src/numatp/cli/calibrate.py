@@ -19,7 +19,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "barrier latency and all-reduce cost with pinned threads and node-placed buffers, and save "
         "them as a profile JSON for `numatp predict` and policy='auto'; then time every GEMM provider "
         "(MKL, oneDNN, packed or not) on one socket and print these ceilings, which also go into the "
-        "GEMM table that gemm=True reads. About 1-3 minutes.",
+        "GEMM table numatp.compile reads. About 1-3 minutes.",
     )
     parser.add_argument("--out", metavar="PATH", default=None,
                         help=f"where to write the profile (default: {default_profile_path()})")

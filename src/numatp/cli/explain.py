@@ -27,8 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "model per block and shows its predicted times")
     p.add_argument("--tiny", action="store_true", help="use the shrunken test config of the preset")
     p.add_argument("--gemm", action="store_true",
-                   help="also show, per socket and weight-matmul shape, the GEMM provider numatp.compile(..., "
-                   "gemm=True) picks and the measured rates behind it (measures shapes not yet in the cache, "
+                   help="also show, per socket and weight-matmul shape, the GEMM provider numatp.compile picks "
+                   "and the measured rates behind it (measures shapes not yet in the cache, "
                    "on the sockets' own pinned threads)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=run)

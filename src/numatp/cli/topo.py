@@ -63,7 +63,7 @@ def render_gemm(ceilings: dict[str, dict[str, dict[str, float]]]) -> str:
 
     if not ceilings:
         return (f"GEMM ceilings: none measured on this CPU yet ({GemmTable().path}); run numatp calibrate, or "
-                "compile with gemm=True")
+                "compile a model with numatp")
     providers = sorted({p for by_t in ceilings.values() for r in by_t.values() for p in r})
     rows = [[dt, t, *(f"{r[p]:.1f}" if r.get(p) else "-" for p in providers),
              max(r, key=lambda p: r[p])] for dt, by_t in ceilings.items() for t, r in by_t.items()]

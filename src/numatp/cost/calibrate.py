@@ -167,7 +167,7 @@ def measure_profile(
 def measure_gemm_ceilings(topo: Topology, *, progress: Callable[[str], None] = lambda _: None
                           ) -> dict[str, dict[str, float]]:
     """Every GEMM provider's rate on socket 0's pinned threads (``numatp.runtime.gemm.measure_ceilings``):
-    ``{dtype: {provider: GFLOP/s}}``, also written to the GEMM table that ``gemm=True`` reads."""
+    ``{dtype: {provider: GFLOP/s}}``, also written to the GEMM table that ``numatp.compile`` reads."""
     from numatp.runtime.gemm import measure_ceilings
 
     s0 = topo.sockets[0]

@@ -9,13 +9,14 @@ bound in place.
 from __future__ import annotations
 
 import mmap
+from pathlib import Path
 
 import torch
 
 from numatp.placement import _syscalls
 from numatp.placement._common import PlacementError, refused, validate_node
 
-__all__ = ["numa_clone", "pages_by_node"]
+__all__ = ["numa_clone", "pages_by_node", "process_bytes_by_node"]
 
 _QUERY_CHUNK = 1 << 14  # pages per move_pages call: bounds the ctypes arrays, not the tensor size
 
@@ -101,6 +102,30 @@ def pages_by_node(tensor: torch.Tensor) -> dict[int, int]:
         for s in status:
             counts[s] = counts.get(s, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def process_bytes_by_node(numa_maps: str | Path = "/proc/self/numa_maps") -> dict[int, int]:
+    """Resident bytes of this process per NUMA node, summed over every mapping: ``{node: bytes}``.
+
+    Read from ``numa_maps`` (``N<node>=<pages>`` per mapping, in that mapping's ``kernelpagesize_kB``).
+    This sees memory that ``pages_by_node`` cannot: opaque tensors without a data pointer, such as the
+    packed weights of oneDNN and MKL, whose node shows as the growth of this count when they are made.
+    Raises PlacementError where the file cannot be read (a kernel without NUMA).
+    """
+    try:
+        text = Path(numa_maps).read_text()
+    except OSError as e:
+        raise PlacementError(f"cannot read {numa_maps}: {e.strerror}; this kernel reports no NUMA memory map "
+                             "(built without CONFIG_NUMA, or /proc not mounted)") from e
+    out: dict[int, int] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        page_kb = next((int(f.split("=", 1)[1]) for f in fields if f.startswith("kernelpagesize_kB=")), 4)
+        for f in fields:
+            if f[0] == "N" and "=" in f and f[1:f.index("=")].isdigit():
+                node, pages = f[1:].split("=", 1)
+                out[int(node)] = out.get(int(node), 0) + int(pages) * page_kb * 1024
+    return dict(sorted(out.items()))
 
 
 @torch.library.custom_op("numatp::numa_clone", mutates_args=())
