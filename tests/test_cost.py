@@ -182,7 +182,7 @@ def test_calibrate_quick_virtual_two_sockets(tmp_path):
     table = ceiling_table(cache_dir=tmp_path / "cache" / "numatp")
     fp32 = table["float32"][1]  # one CPU per virtual socket here
     assert fp32["aten"] > 0 and set(fp32) >= {"aten", "onednn", "onednn_packed", "mkl_packed"}
-    row = next(line.split() for line in out.stdout.splitlines() if line.startswith("float32"))
+    row = next(line.split() for line in out.stdout.splitlines() if line.strip().startswith("float32"))
     assert f"{fp32['aten']:.1f}" in row and row[-1] == max(fp32, key=lambda k: fp32[k])
     assert f"{CEILING_SHAPE[0]} x {CEILING_SHAPE[1]} x {CEILING_SHAPE[2]}" in out.stdout
     p = MachineProfile.from_json(json.loads(path.read_text()))

@@ -156,7 +156,7 @@ def test_preview_chooses_like_apply_without_touching_the_programs(tmp_path):
     plan_graph(ag, 2)
     programs = [localize(ag, r) for r in range(2)]
     args = [bind_inputs(p.bindings, inputs, p.rank) for p in programs]
-    weights = [{i for i, bd in enumerate(p.bindings) if bd.placement is not None} for p in programs]
+    weights = [p.weight_indices for p in programs]
     before = [p.gm.code for p in programs]
     selector = GemmSelector(GemmOptions(force="mkl_packed", cache_dir=str(tmp_path)))
     with SocketGroup(Topology.virtual(sockets=2)) as group:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from numatp.backend.weights import WeightStore
-from numatp.plan import capture, localize, plan_graph, trace_aten
+from numatp.plan import localize, plan_graph, trace_aten
 from numatp.plan.schema import Plan
 from numatp.runtime.executor import ShardedExecutor
 from numatp.runtime.gemm_pass import GemmOptions, GemmSelector
@@ -24,7 +24,8 @@ from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import SegmentCompiler
 from numatp.topology import Topology
 
-__all__ = ["compile", "default_decider", "numatp_backend", "NumaTPBackend", "placement_report", "resolve_topology"]
+__all__ = ["compile", "default_decider", "numatp_backend", "NumaTPBackend", "placement_report", "resolve_topology",
+           "runs_unsharded"]
 
 log = logging.getLogger("numatp")
 
@@ -115,10 +116,7 @@ class _CompiledGraph:
         if b.policy == "auto":
             decide = b.decide or default_decider(b.topology)
         plan = plan_graph(ag, n, policy=b.policy, decide=decide)
-        if b.policy == "never" or (b.policy == "auto"
-                                   and not any(blk.sharded for blk in plan.blocks if blk.kind != "lm_head")):
-            # nothing sharded: replicated blocks would run on one socket's cores each, so the whole
-            # graph runs as plain torch.compile on all cores instead (never slower than it)
+        if runs_unsharded(plan, b.policy):
             if b.compiler.mode == "eager":
                 fn = self.gm
             else:
@@ -134,7 +132,7 @@ class _CompiledGraph:
         local = [b.weights.local_args(bindings[r], args, r) for r in range(n)]
         executor = ShardedExecutor(b.group, b.compiler, gemm=b.gemm)
         executor.build([p.gm for p in programs], local,
-                       weights=[{i for i, bd in enumerate(p.bindings) if bd.placement is not None} for p in programs])
+                       weights=[p.weight_indices for p in programs])
         for r, swaps in enumerate(executor.swaps):
             for plain, prepared in swaps.values():
                 b.weights.replace(r, plain, prepared)
@@ -146,6 +144,13 @@ class _CompiledGraph:
         self.variants[key] = variant
         log.info("numatp: %d sockets, %d reductions, built in %.1fs", n, plan.reductions, variant.build_seconds)
         return variant
+
+
+def runs_unsharded(plan: Plan, policy: str) -> bool:
+    """Whether the backend runs ``plan`` as plain Inductor on all cores rather than as socket programs:
+    policy "never", or "auto" where no block (LM head aside) is sharded. Replicated blocks in socket
+    programs would run whole on each socket's share of the cores, never faster than plain Inductor."""
+    return policy == "never" or (policy == "auto" and not any(b.sharded for b in plan.blocks if b.kind != "lm_head"))
 
 
 def default_decider(topology: Topology) -> Callable:

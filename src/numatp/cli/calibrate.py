@@ -63,15 +63,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render_ceilings(ceilings: dict[str, dict[str, float]], threads: int) -> str:
-    """The table of GEMM rates per dtype and provider that ``calibrate`` prints."""
+    """The table of GEMM rates per dtype and provider that ``calibrate`` prints (``topo``'s layout)."""
+    from numatp.cli.topo import render_gemm
     from numatp.runtime.gemm import CEILING_SHAPE
 
     m, k, n = CEILING_SHAPE
-    providers = sorted({p for r in ceilings.values() for p in r})
-    lines = [f"GEMM ceilings, GFLOP/s at {m} x {k} x {n} on socket 0 ({threads} threads; - = cannot run here)",
-             f"{'dtype':<10}" + "".join(f"{p:>16}" for p in providers) + f"{'best':>16}"]
-    for dt, rates in ceilings.items():
-        best = max(rates, key=lambda p: rates[p])
-        lines.append(f"{dt:<10}" + "".join(f"{(f'{rates[p]:.1f}' if rates.get(p) else '-'):>16}" for p in providers)
-                     + f"{best:>16}")
-    return "\n".join(lines)
+    return render_gemm({dt: {str(threads): rates} for dt, rates in ceilings.items()},
+                       title=f"GEMM ceilings, GFLOP/s at {m} x {k} x {n} on socket 0 (- = cannot run here)")

@@ -70,13 +70,9 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
             "socket_bytes": [plan.socket_bytes(r) for r in range(sockets)],
         })
         if gemm:
-            out["graphs"][-1]["gemm"] = _gemm_choices(ag, inputs, sockets) if _runs_sharded(plan, policy) else None
+            from numatp.backend import runs_unsharded
+            out["graphs"][-1]["gemm"] = None if runs_unsharded(plan, policy) else _gemm_choices(ag, inputs, sockets)
     return out
-
-
-def _runs_sharded(plan, policy: str) -> bool:
-    """Whether numatp.compile runs this plan as socket programs (else plain Inductor, Inductor's GEMMs)."""
-    return policy == "always" or (policy == "auto" and any(b.sharded for b in plan.blocks if b.kind != "lm_head"))
 
 
 def _gemm_choices(ag, inputs: list, sockets: int) -> dict:
@@ -89,7 +85,7 @@ def _gemm_choices(ag, inputs: list, sockets: int) -> dict:
 
     programs = [localize(ag, r) for r in range(sockets)]
     args = [bind_inputs(p.bindings, inputs, p.rank) for p in programs]
-    weights = [{i for i, bd in enumerate(p.bindings) if bd.placement is not None} for p in programs]
+    weights = [p.weight_indices for p in programs]
     selector = GemmSelector()
     with SocketGroup(resolve_topology(sockets)) as group:
         rows = selector.preview(group, [p.gm for p in programs], args, weights)

@@ -57,8 +57,10 @@ def _gemm_ceilings() -> dict[str, dict[str, dict[str, float]]]:
     return {dt: {str(t): r for t, r in sorted(by_t.items())} for dt, by_t in sorted(ceiling_table().items())}
 
 
-def render_gemm(ceilings: dict[str, dict[str, dict[str, float]]]) -> str:
-    """The GEMM ceilings section of ``numatp topo``: best measured rate per dtype, thread count, provider."""
+def render_gemm(ceilings: dict[str, dict[str, dict[str, float]]],
+                title: str = "GEMM ceilings (best measured GFLOP/s per provider; - = cannot run here)") -> str:
+    """The GEMM ceilings section of ``numatp topo`` (and ``calibrate``'s table): rate per dtype, thread
+    count and provider, ``ceilings`` as ``{dtype: {threads: {provider: GFLOP/s}}}``."""
     from numatp.runtime.gemm import GemmTable
 
     if not ceilings:
@@ -67,8 +69,7 @@ def render_gemm(ceilings: dict[str, dict[str, dict[str, float]]]) -> str:
     providers = sorted({p for by_t in ceilings.values() for r in by_t.values() for p in r})
     rows = [[dt, t, *(f"{r[p]:.1f}" if r.get(p) else "-" for p in providers),
              max(r, key=lambda p: r[p])] for dt, by_t in ceilings.items() for t, r in by_t.items()]
-    return "\n".join(["GEMM ceilings (best measured GFLOP/s per provider; - = cannot run here)",
-                      *_table(["dtype", "threads", *providers, "best"], rows)])
+    return "\n".join([title, *_table(["dtype", "threads", *providers, "best"], rows)])
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

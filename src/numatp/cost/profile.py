@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import socket as _socket
 from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from numatp._cache import cache_dir
 
 __all__ = ["BUILTIN_PROFILES", "MachineProfile", "default_profile_path", "load_profile", "save_profile"]
 
@@ -116,8 +117,7 @@ class MachineProfile:
 def default_profile_path() -> Path:
     """Where ``numatp calibrate`` saves this host's profile: ``~/.cache/numatp/profile-<hostname>.json``
     (``$XDG_CACHE_HOME/numatp`` where that is set, beside the GEMM table)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "numatp" / f"profile-{_socket.gethostname()}.json"
+    return cache_dir() / f"profile-{_socket.gethostname()}.json"
 
 
 def save_profile(profile: MachineProfile, path: str | Path) -> Path:

@@ -10,7 +10,6 @@ The program of socket r has the same structure as the global graph, with
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +41,11 @@ class LocalProgram:
     rank: int
     gm: torch.fx.GraphModule
     bindings: list[Binding]
+
+    @property
+    def weight_indices(self) -> set[int]:
+        """Indices of the program's arguments that are weights (bound with a placement)."""
+        return {i for i, bd in enumerate(self.bindings) if bd.placement is not None}
 
 
 def _local_shape(node: torch.fx.Node, rank: int) -> list[int]:

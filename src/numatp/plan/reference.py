@@ -16,7 +16,6 @@ import torch.fx
 
 from numatp.plan.localize import Binding, LocalProgram
 from numatp.plan.ops import COLLECTIVES
-from numatp.plan.propagate import Shard
 from numatp.plan.schema import Colwise, IndexSet, Placement, Replicate, Rowwise
 
 __all__ = ["shard_tensor", "bind_inputs", "run_reference", "gather", "place"]

@@ -30,7 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
+
+from numatp._cache import cache_dir
 
 __all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "cpu_signature", "ceilings",
            "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir"]
@@ -171,10 +174,7 @@ def cpu_signature() -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def default_cache_dir() -> Path:
-    """``~/.cache/numatp`` (``$XDG_CACHE_HOME/numatp`` where that is set)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "numatp"
+default_cache_dir = cache_dir  # ``~/.cache/numatp`` (``$XDG_CACHE_HOME/numatp`` where that is set)
 
 
 class GemmTable:
@@ -233,14 +233,12 @@ def ceilings(dtype: str | torch.dtype, *, cache_dir: str | os.PathLike | None = 
     Read from the on-disk table that compiling and ``benchmarks/gemm_providers.py`` fill; empty when
     nothing was measured yet. This is the GEMM roofline ``numatp explain`` and ``calibrate`` report.
     """
-    name = str(dtype).removeprefix("torch.")
+    by_threads = ceiling_table(cache_dir=cache_dir).get(str(dtype).removeprefix("torch."), {})
     best: dict[str, float] = {}
-    for key, rates in GemmTable(cache_dir).entries.items():
-        parts = key.split("|")
-        if parts[0] != name or (threads is not None and parts[-1] != f"t{threads}"):
-            continue
-        for p, r in rates.items():
-            best[p] = max(best.get(p, 0.0), r)
+    for t, rates in by_threads.items():
+        if threads is None or t == threads:
+            for p, r in rates.items():
+                best[p] = max(best.get(p, 0.0), r)
     return best
 
 

@@ -87,7 +87,6 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[
 
 def _segment(gm, body: list[torch.fx.Node], end: int, last_use: dict[str, int], output) -> Segment:
     inside = set(body)
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     inputs: list[torch.fx.Node] = []
     for n in body:
         for a in n.all_input_nodes:
