@@ -168,3 +168,117 @@ def test_preview_chooses_like_apply_without_touching_the_programs(tmp_path):
     assert [(r["rank"], r["weight"], r["provider"]) for r in selector.report()] == \
         [(r["rank"], r["weight"], r["provider"]) for r in rows]
     assert sum(len(s) for s in swaps) == len(rows)
+
+
+def test_shape_key_round_trip():
+    shape = GemmShape(512, 768, 2304, "bfloat16", "kn", 8)
+    assert GemmShape.from_key(shape.key) == shape
+
+
+def test_measure_all_times_every_provider_in_rounds():
+    from numatp.runtime.gemm import measure_all
+
+    shape = GemmShape(64, 128, 96, "float32", "nk", 1)
+    rates = measure_all(PROVIDERS, shape, min_seconds=0.01, max_calls=3)
+    assert set(rates) == set(PROVIDERS)
+    assert rates["mkl_packed_f32"] == 0.0                  # a bf16-only provider cannot run fp32
+    assert all(rates[p] > 0 for p in ("aten", "onednn", "onednn_packed", "mkl_packed"))
+    # the same provider alone measures the same order of rate
+    assert 0.2 < measure(PROVIDERS["aten"], shape, min_seconds=0.01, max_calls=3) / rates["aten"] < 5
+
+
+def _poisoned_table(tmp_path):
+    """A table whose every gpt2-tiny rate says onednn is 1000x faster than aten (no CPU does that)."""
+    first = _run("gpt2", torch.float32, 2, GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path)))
+    table = GemmTable(tmp_path)
+    shapes = [GemmShape.from_key(k) for k in table.entries]
+    table.put({s: {"aten": 1.0, "onednn": 1000.0} for s in shapes})
+    torch._dynamo.reset()
+    return first, shapes
+
+
+def test_remeasure_option_replaces_rates_from_the_table(tmp_path):
+    _, shapes = _poisoned_table(tmp_path)
+    trusted = _run("gpt2", torch.float32, 2, GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path)))
+    assert trusted.gemm.table.measured == 0
+    assert {r["provider"] for r in trusted.gemm.report()} == {"onednn"}   # what the table says
+    torch._dynamo.reset()
+    again = _run("gpt2", torch.float32, 2,
+                 GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path), remeasure=True))
+    assert again.gemm.table.measured == len(shapes)
+    fresh = GemmTable(tmp_path)
+    for s in shapes:
+        rates = fresh.get(s)
+        assert rates["aten"] > 1.0 and rates["onednn"] < 1000.0, (s, rates)
+        assert rates["onednn"] / rates["aten"] < 100
+
+
+def test_calibrate_remeasure_gemm_retimes_the_table(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cpus = len(os.sched_getaffinity(0))
+    small = GemmShape(32, 64, 64, "float32", "nk", 1)
+    too_wide = GemmShape(32, 64, 64, "float32", "nk", cpus + 1)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    table_dir = tmp_path / "numatp"
+    GemmTable(table_dir).put({small: {"aten": 1e6, "onednn": 1e6}, too_wide: {"aten": 5.0}})
+    proc = subprocess.run([sys.executable, "-m", "numatp", "calibrate", "--remeasure-gemm"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "re-timed 1 GEMM shapes" in proc.stdout and "skipped 1 shapes" in proc.stdout
+    assert "GEMM 1/1: float32 32 x 64 x 64" in proc.stderr
+    rates = GemmTable(table_dir).get(small)
+    assert set(rates) == {"aten", "onednn"} and 0 < rates["aten"] < 1e6 and 0 < rates["onednn"] < 1e6
+    assert GemmTable(table_dir).get(too_wide) == {"aten": 5.0}
+
+
+@pytest.mark.parametrize(("family", "dtype", "sockets"), [("gpt2", torch.float32, 2), ("llama", torch.bfloat16, 1)])
+def test_inductor_template_provider_equals_eager(family, dtype, sockets, tmp_path):
+    # Inductor's C++ GEMM template as a provider: one compile per weight, then any M (seq 16, then 8)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    backend = _run(family, dtype, sockets, GemmOptions(force="inductor_cpp", cache_dir=str(tmp_path)), seqs=(16, 8))
+    _check_forced(backend, "inductor_cpp")
+    # the template really generated the kernels (Inductor counts each templated kernel it emits)
+    assert counters["inductor"]["cpp_templated_kernel_counter"] >= len(backend.gemm.report())
+
+
+def test_inductor_template_keeps_no_plain_weight():
+    import gc
+    import weakref
+
+    w = torch.randn(48, 32)
+    gone = weakref.ref(w)
+    op = PROVIDERS["inductor_cpp"].prepare(w, 16)
+    x, b = torch.randn(5, 32), torch.randn(48)
+    expected = torch.addmm(b, x, w.t())
+    del w
+    gc.collect()
+    assert gone() is None   # the compiled kernel holds its own packed copy, not the weight given
+    torch.testing.assert_close(PROVIDERS["inductor_cpp"].call(x, op, b, 48, 32), expected)
+
+
+def test_inductor_template_is_measured_only_when_asked(tmp_path):
+    assert "inductor_cpp" not in GemmOptions().providers
+    opts = GemmOptions(providers=("aten", "inductor_cpp"), cache_dir=str(tmp_path))
+    backend = _run("gpt2", torch.float32, 1, opts)
+    rows = backend.gemm.report()
+    assert rows and all(r["rates"]["inductor_cpp"] > 0 and r["rates"]["aten"] > 0 for r in rows)
+    for r in rows:
+        best = max(r["rates"], key=r["rates"].get)
+        assert r["provider"] in ("aten", best)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inductor_template_compiles_each_weight_for_itself(dtype):
+    # two weights of one shape: each kernel computes with its own weight (no kernel comes back from a
+    # cache with another weight's values), at M it was not traced for
+    ops, weights = [], [torch.randn(96, 64).to(dtype) for _ in range(2)]
+    for w in weights:
+        ops.append(PROVIDERS["inductor_cpp"].prepare(w, 32))
+    x = torch.randn(5, 64).to(dtype)
+    for w, op in zip(weights, ops):
+        torch.testing.assert_close(PROVIDERS["inductor_cpp"].call(x, op, None, 96, 64), torch.mm(x, w.t()))

@@ -24,6 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--out", metavar="PATH", default=None,
                         help=f"where to write the profile (default: {default_profile_path()})")
     parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats: under a minute")
+    parser.add_argument("--remeasure-gemm", action="store_true",
+                        help="only time again every shape of this CPU's GEMM table (the rates numatp.compile "
+                        "picks providers from), e.g. after they were measured on a busy machine; no profile")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--sockets", type=int, metavar="N", default=None,
                        help="use only the first N detected sockets")
@@ -53,6 +56,18 @@ def run(args: argparse.Namespace) -> int:
     def progress(msg: str) -> None:
         print(f"[{time.perf_counter() - start:5.1f}s] {msg}", file=sys.stderr, flush=True)
 
+    if args.remeasure_gemm:
+        from numatp.cost.calibrate import remeasure_gemm_table
+        from numatp.runtime.gemm import GemmTable
+
+        count, skipped = remeasure_gemm_table(topo, progress=progress)
+        print(f"re-timed {count} GEMM shapes in {GemmTable().path}" if count else
+              f"the GEMM table {GemmTable().path} has no shapes to time again: compiling a model fills it")
+        if skipped:
+            cpus = sum(len(sock.cpus) for sock in topo.sockets)
+            print(f"skipped {len(skipped)} shapes measured for more threads than these {cpus} CPUs: "
+                  f"{', '.join(skipped[:5])}{' ...' if len(skipped) > 5 else ''}")
+        return 0
     profile = measure_profile(topo, quick=args.quick, progress=progress)
     path = save_profile(profile, args.out or default_profile_path())
     progress(f"saved {path}")

@@ -19,7 +19,7 @@ import torch
 from numatp.cost.profile import MachineProfile
 from numatp.topology import Topology
 
-__all__ = ["measure_profile", "measure_gemm_ceilings"]
+__all__ = ["measure_profile", "measure_gemm_ceilings", "remeasure_gemm_table"]
 
 T = TypeVar("T")
 _SIZES = {"full": (256, 512, 1024), "quick": (128, 256)}
@@ -172,6 +172,46 @@ def measure_gemm_ceilings(topo: Topology, *, progress: Callable[[str], None] = l
 
     s0 = topo.sockets[0]
     return _pinned(s0.cpus, lambda: measure_ceilings(len(s0.cpus), progress=progress))
+
+
+def remeasure_gemm_table(topo: Topology, *, progress: Callable[[str], None] = lambda _: None,
+                         cache_dir: str | None = None) -> tuple[int, list[str]]:
+    """Time again every shape of this CPU's GEMM table, every provider it lists, replacing the old rates.
+
+    A shape measured for T threads runs on T pinned CPUs: socket 0's first T where it has that many,
+    else the first T of all sockets' CPUs in socket order. Returns how many shapes were re-timed and the
+    keys skipped because the topology has fewer CPUs than their thread count.
+    """
+    from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, measure_all
+
+    table = GemmTable(cache_dir)
+    every = [c for sock in topo.sockets for c in sock.cpus]
+    by_threads: dict[int, list[tuple[GemmShape, list[str]]]] = {}
+    skipped: list[str] = []
+    for key, rates in sorted(table.entries.items()):
+        shape = GemmShape.from_key(key)
+        if shape.threads > len(every):
+            skipped.append(key)
+            continue
+        by_threads.setdefault(shape.threads, []).append((shape, [p for p in rates if p in PROVIDERS]))
+    total, done = sum(len(v) for v in by_threads.values()), 0
+    for threads, shapes in sorted(by_threads.items()):
+        s0 = topo.sockets[0].cpus
+        cpus = tuple(s0[:threads] if len(s0) >= threads else every[:threads])
+
+        def work(shapes: list[tuple[GemmShape, list[str]]] = shapes) -> dict[GemmShape, dict[str, float]]:
+            nonlocal done
+            found = {}
+            for shape, names in shapes:
+                done += 1
+                progress(f"GEMM {done}/{total}: {shape.dtype} {shape.m} x {shape.k} x {shape.n} "
+                         f"({shape.layout}), {shape.threads} threads")
+                found[shape] = {p: round(r, 2) for p, r in measure_all({p: PROVIDERS[p] for p in names},
+                                                                        shape).items()}
+            return found
+
+        table.put(_pinned(cpus, work))
+    return total, skipped
 
 
 def _l3_mib(cpu: int) -> float:

@@ -10,7 +10,10 @@ answers differ), so numatp measures them:
 - ``onednn``: ``mkldnn._linear_pointwise`` on the plain weight;
 - ``onednn_packed``: the same op on a weight reordered once by ``mkldnn._reorder_linear_weight``;
 - ``mkl_packed``: ``mkl._mkl_linear`` on a weight packed once by ``mkl._mkl_reorder_linear_weight`` (fp32);
-- ``mkl_packed_f32``: for bf16, the same in fp32 on an upcast packed weight (twice the bytes).
+- ``mkl_packed_f32``: for bf16, the same in fp32 on an upcast packed weight (twice the bytes);
+- ``inductor_cpp``: Inductor's C++ GEMM template (max_autotune's CPU kernel) compiled per weight, which
+  it blocks and packs as a graph constant; compiling makes it slow to measure, so it runs only when
+  ``GemmOptions.providers`` names it.
 
 Packed weights are opaque tensors (``layout=torch._mkldnn``), so a packed provider replaces the plain
 shard and runs outside Inductor (see :mod:`numatp.runtime.gemm_pass`). Rates are GFLOP/s (``2 M K N``
@@ -22,12 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +39,9 @@ import torch
 
 from numatp._cache import cache_dir
 
-__all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "cpu_signature", "ceilings",
+log = logging.getLogger("numatp")
+
+__all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "measure_all", "cpu_signature", "ceilings",
            "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir"]
 
 mkldnn = torch.ops.mkldnn
@@ -56,6 +62,12 @@ class GemmShape:
     def key(self) -> str:
         return f"{self.dtype}|{self.m}|{self.k}|{self.n}|{self.layout}|t{self.threads}"
 
+    @classmethod
+    def from_key(cls, key: str) -> GemmShape:
+        """The shape a table key names (the inverse of :attr:`key`)."""
+        dtype, m, k, n, layout, threads = key.split("|")
+        return cls(int(m), int(k), int(n), dtype, layout, int(threads.removeprefix("t")))
+
     @property
     def flops(self) -> int:
         return 2 * self.m * self.k * self.n
@@ -74,6 +86,8 @@ class Provider:
     packed: bool        # the operand is an opaque packed tensor that replaces the plain weight
     prepare: Callable[[torch.Tensor, int], torch.Tensor]
     call: Callable[..., torch.Tensor]
+    compiles: bool = False
+    """``prepare`` compiles a kernel (seconds per weight): measured only when asked for, without a probe."""
 
 
 def _aten_call(x, w_nk, bias, n, k):
@@ -103,6 +117,56 @@ def _upcast_call(x, packed, bias, n, k):
     return _mkl_call(x.float(), packed, None if bias is None else bias.float(), n, k).to(x.dtype)
 
 
+_TRACE_LOCK = threading.Lock()
+
+
+class _TemplateGemm:
+    """``x @ W^T + b`` compiled by Inductor's C++ GEMM template for one weight, any number of rows.
+
+    The weight enters the traced graph as a constant, which is what the template needs to block and
+    pack it at compile time; the graph is traced with a symbolic row count, so one compile serves every
+    M. Compiled on the calling thread for its thread count (a socket worker, so the packed constant is
+    made under the socket's memory binding); the plain weight is not kept once compiled.
+    """
+
+    def __init__(self, w_nk: torch.Tensor, m: int):
+        from torch._inductor.compile_fx import compile_fx
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        n, k = w_nk.shape
+        self.dtype = w_nk.dtype
+        weight = w_nk.contiguous()
+
+        def linear(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            return torch.addmm(bias, x, weight.t())
+
+        # traced at a row count equal to neither K nor N: equal sizes would share one symbol, which the
+        # weight's fixed K or N would then pin to a constant
+        rows = next(r for r in range(17, 17 + 3) if r not in (k, n))
+        x = torch.zeros(rows, k, dtype=w_nk.dtype)
+        b = torch.zeros(n, dtype=w_nk.dtype)
+        # tracing patches module globals: one socket's worker at a time
+        with _TRACE_LOCK, torch.no_grad():
+            gm = make_fx(linear, tracing_mode="symbolic", _allow_non_fake_inputs=True)(x, b)
+            fake = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
+            fake[0].fake_mode.allow_non_fake_inputs = True  # the weight is a real constant of the graph
+            # no FX graph cache: measured here, a bf16 kernel compiled for another weight of the same
+            # shape came back from it with that weight's values
+            patches = {"max_autotune": True, "max_autotune_gemm_backends": "CPP", "fx_graph_cache": False,
+                       "cpp.threads": torch.get_num_threads(), "freezing": True}
+            self._fn = compile_fx(gm, fake, config_patches=patches)
+            # the kernel has its own packed copy; the traced graph's reference to the plain weight would
+            # keep a second copy alive
+            for name, _ in list(gm.named_buffers()):
+                gm.register_buffer(name, torch.empty(0, dtype=w_nk.dtype))
+        self._zero = b
+        self.shape = (n, k)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self._fn(x, self._zero if bias is None else bias)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+
 PROVIDERS: dict[str, Provider] = {
     "aten": Provider("aten", (torch.float32, torch.bfloat16), False, lambda w, m: w, _aten_call),
     # oneDNN's linear takes a contiguous (N, K) weight: a Conv1D (K, N) weight gets a transposed copy
@@ -115,6 +179,10 @@ PROVIDERS: dict[str, Provider] = {
     # bf16 in and out, fp32 MKL on an fp32 packed weight: for CPUs without bf16 GEMM instructions
     # (AVX2), where torch's bf16 matmul falls back to slow loops. Its operand has twice the bf16 bytes.
     "mkl_packed_f32": Provider("mkl_packed_f32", (torch.bfloat16,), True, _upcast_pack, _upcast_call),
+    # Inductor's own C++ GEMM template (what max_autotune picks from on CPU); one compile per weight
+    # makes it the costliest to measure, so GemmOptions leaves it out unless asked for
+    "inductor_cpp": Provider("inductor_cpp", (torch.float32, torch.bfloat16), True, _TemplateGemm,
+                             lambda x, op, bias, n, k: op(x, bias), compiles=True),
 }
 
 
@@ -127,32 +195,55 @@ def measure(provider: Provider, shape: GemmShape, *, min_seconds: float = 0.15, 
     AVX-512 or AVX-NE-CONVERT). A provider that a 32-row probe shows would take over ``max_call_seconds``
     per call (torch's reference bf16 loops on AVX2 run near 1 GFLOP/s) gets the probe's rate instead.
     """
+    return measure_all({provider.name: provider}, shape, min_seconds=min_seconds, max_calls=max_calls,
+                       seed=seed, max_call_seconds=max_call_seconds)[provider.name]
+
+
+def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds: float = 0.15,
+                max_calls: int = 20, seed: int = 0, max_call_seconds: float = 5.0) -> dict[str, float]:
+    """GFLOP/s of each provider at ``shape``, as :func:`measure`, timed in rounds: every round calls each
+    provider once, so a change of load on the machine slows all of them alike and the comparison that
+    picks one stays fair. Rounds go on until each provider has had ``min_seconds`` or ``max_calls``."""
     dtype = getattr(torch, shape.dtype)
-    if dtype not in provider.dtypes:
-        return 0.0
-    if shape.m > 32:
-        probe = GemmShape(32, shape.k, shape.n, shape.dtype, shape.layout, shape.threads)
-        rate = measure(provider, probe, min_seconds=0.0, max_calls=1, seed=seed)
-        if rate == 0.0 or shape.flops / (rate * 1e9) > max_call_seconds:
-            return rate
+    rates: dict[str, float] = {name: 0.0 for name in providers}
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape.m, shape.k, generator=g).to(dtype)
     w = torch.randn(shape.n, shape.k, generator=g).to(dtype) if shape.layout == "nk" else \
         torch.randn(shape.k, shape.n, generator=g).to(dtype).t()
     bias = torch.randn(shape.n, generator=g).to(dtype)
+    timed: dict[str, tuple[Provider, torch.Tensor]] = {}
     with torch.inference_mode():
-        try:
-            op = provider.prepare(w, shape.m)
-            provider.call(x, op, bias, shape.n, shape.k)
-        except RuntimeError:
-            return 0.0
-        times: list[float] = []
-        start = time.perf_counter()
-        while len(times) < max_calls and (len(times) < 2 or time.perf_counter() - start < min_seconds):
-            t0 = time.perf_counter()
-            provider.call(x, op, bias, shape.n, shape.k)
-            times.append(time.perf_counter() - t0)
-    return shape.flops / statistics.median(times) / 1e9
+        for name, provider in providers.items():
+            if dtype not in provider.dtypes:
+                continue
+            if shape.m > 32 and not provider.compiles:
+                probe = GemmShape(32, shape.k, shape.n, shape.dtype, shape.layout, shape.threads)
+                rate = measure(provider, probe, min_seconds=0.0, max_calls=1, seed=seed)
+                if rate == 0.0 or shape.flops / (rate * 1e9) > max_call_seconds:
+                    rates[name] = rate
+                    continue
+            try:
+                op = provider.prepare(w, shape.m)
+                provider.call(x, op, bias, shape.n, shape.k)
+            except Exception as e:  # noqa: BLE001  (a kernel this CPU or torch cannot run measures 0)
+                log.debug("numatp: GEMM provider %s cannot run %s: %s", name, shape.key, e)
+                continue
+            timed[name] = (provider, op)
+        times: dict[str, list[float]] = {name: [] for name in timed}
+        spent = dict.fromkeys(timed, 0.0)
+        while timed and any(len(times[n]) < max_calls and (len(times[n]) < 2 or spent[n] < min_seconds)
+                            for n in timed):
+            for name, (provider, op) in timed.items():
+                if len(times[name]) >= max_calls:
+                    continue
+                t0 = time.perf_counter()
+                provider.call(x, op, bias, shape.n, shape.k)
+                dt = time.perf_counter() - t0
+                times[name].append(dt)
+                spent[name] += dt
+    for name, ts in times.items():
+        rates[name] = shape.flops / statistics.median(ts) / 1e9
+    return rates
 
 
 def cpu_signature() -> str:
@@ -215,14 +306,17 @@ class GemmTable:
                           sort_keys=True)
             os.replace(tmp, self.path)
 
-    def measure_missing(self, shapes: list[GemmShape], providers: list[str]) -> dict[GemmShape, dict[str, float]]:
-        """Measure on the calling thread the shapes (or providers) not in the table; returns the new rates."""
+    def measure_missing(self, shapes: list[GemmShape], providers: list[str], *,
+                        again: Collection[GemmShape] = ()) -> dict[GemmShape, dict[str, float]]:
+        """Measure on the calling thread the shapes (or providers) not in the table, and those in ``again``
+        whatever the table holds; returns the new rates."""
         out: dict[GemmShape, dict[str, float]] = {}
         for s in dict.fromkeys(shapes):
-            have = self.get(s) or {}
+            have = {} if s in again else (self.get(s) or {})
             todo = [p for p in providers if p not in have]
             if todo:
-                out[s] = {**have, **{p: round(measure(PROVIDERS[p], s), 2) for p in todo}}
+                found = measure_all({p: PROVIDERS[p] for p in todo}, s)
+                out[s] = {**have, **{p: round(r, 2) for p, r in found.items()}}
         return out
 
 
@@ -270,7 +364,7 @@ def measure_ceilings(threads: int, dtypes: tuple[str, ...] = ("float32", "bfloat
     for dt in dtypes:
         shape = GemmShape(m, k, n, dt, "kn", threads)
         progress(f"GEMM providers, {dt}, {m} x {k} x {n}, {threads} threads")
-        found[shape] = {name: round(measure(prov, shape, max_call_seconds=1.0), 2) for name, prov in PROVIDERS.items()}
+        found[shape] = {name: round(r, 2) for name, r in measure_all(PROVIDERS, shape, max_call_seconds=1.0).items()}
     GemmTable(cache_dir).put(found)
     return {s.dtype: r for s, r in found.items()}
 

@@ -63,13 +63,17 @@ class GemmOptions:
     """How numatp picks GEMM providers."""
 
     providers: tuple[str, ...] = DEFAULT_PROVIDERS
-    """Candidates; ``aten`` (the unchanged graph) is always one."""
+    """Candidates; ``aten`` (the unchanged graph) is always one. Add ``"inductor_cpp"`` to measure
+    Inductor's C++ GEMM template too (one compile per weight shape and thread count)."""
     force: str | None = None
     """Use this provider wherever it supports the dtype, without measuring (tests, experiments)."""
     cache_dir: str | None = None
     """Folder of the measured-rate table; ``None``: ``~/.cache/numatp``."""
     margin: float = 1.05
     """A provider replaces ``aten`` only when measured faster by this factor."""
+    remeasure: bool = False
+    """Time every shape again (once per selector) instead of trusting the on-disk table, e.g. when its
+    rates were taken on a busy machine; ``numatp calibrate --remeasure-gemm`` re-times the whole table."""
 
     def __post_init__(self) -> None:
         unknown = [p for p in (*self.providers, *([self.force] if self.force else [])) if p not in PROVIDERS]
@@ -135,6 +139,7 @@ class GemmSelector:
         self.options = options or GemmOptions()
         self.table = GemmTable(self.options.cache_dir)
         self.choices: list[GemmChoice] = []
+        self._timed: set[GemmShape] = set()   # shapes this selector measured itself
 
     def apply(self, group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]],
               weights: list[set[int]]) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list[dict[int, tuple]]]:
@@ -201,10 +206,10 @@ class GemmSelector:
         return choice
 
     def _decide(self, sites: list[_Site]) -> str:
-        allowed = [p for p in ("aten", *self.options.providers)
-                   if getattr(torch, sites[0].shape.dtype) in PROVIDERS[p].dtypes]
+        dtype = getattr(torch, sites[0].shape.dtype)
         if self.options.force:
-            return self.options.force if self.options.force in allowed else "aten"
+            return self.options.force if dtype in PROVIDERS[self.options.force].dtypes else "aten"
+        allowed = [p for p in ("aten", *self.options.providers) if dtype in PROVIDERS[p].dtypes]
         picks = {best_provider(self.table.get(s.shape) or {}, allowed, margin=self.options.margin) for s in sites}
         return picks.pop() if len(picks) == 1 else "aten"
 
@@ -213,11 +218,13 @@ class GemmSelector:
             return
         providers = ["aten", *[p for p in self.options.providers if p != "aten"]]
         wanted = [[s.shape for ss in rank_sites.values() for s in ss] for rank_sites in sites]
-        if not any(self.table.get(s) is None for w in wanted for s in w):
+        again = {s for w in wanted for s in w} - self._timed if self.options.remeasure else set()
+        if not again and not any(self.table.get(s) is None for w in wanted for s in w):
             return
         # every socket measures its own shapes at the same time, so each rate is taken under the load
         # of the other sockets, as in a real call
-        found = group.run(lambda rank: self.table.measure_missing(wanted[rank], providers))
+        found = group.run(lambda rank: self.table.measure_missing(wanted[rank], providers, again=again))
+        self._timed |= {s for w in wanted for s in w}
         merged: dict[GemmShape, dict[str, float]] = {}
         for rates in found:
             for shape, r in rates.items():
@@ -261,8 +268,8 @@ def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int],
                 threads: int) -> dict[torch.fx.Node, list[_Site]]:
     """Weight matmuls grouped by weight placeholder; weights with any other use are left out."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(stand_in(a)) if isinstance(a, torch.Tensor) else a
-                                         for a in args])
+    plain = [stand_in(a) for a in args]
+    FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in plain])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out: dict[torch.fx.Node, list[_Site]] = {}
     for i in sorted(weights):
