@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 
 import pytest
@@ -150,23 +152,97 @@ def test_concurrent_calls_are_a_clear_error_or_correct():
     assert errors and "one prefill at a time" in errors[0]
 
 
+@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "no-gemm"])
 @pytest.mark.parametrize("policy", ["auto", "never"])
-def test_unsharded_policies_run_plain_inductor(policy):
-    # "never", and "auto" where no block pays for sharding, run the graph as plain torch.compile on
-    # all cores, never replicated per socket
+def test_unsharded_policies_run_on_all_cores(policy, gemm):
+    # "never", and "auto" where no block pays for sharding, run the graph unsharded on all cores, never
+    # replicated per socket: as one program on one worker pinned to every CPU (so that it keeps the
+    # measured GEMM providers), or as plain torch.compile when GEMM providers are off
+    topo = Topology.virtual(sockets=2)
     model = zoo.build("gpt2", tiny=True)
     inputs = zoo.example_inputs(model, batch=1, seq=16)
     with torch.inference_mode():
-        compiled = numatp.compile(model, sockets=Topology.virtual(sockets=2), policy=policy, mode="eager")
+        # auto_measure=0: the cost model's choice alone (test_auto_measures_both_plans_when_close below)
+        compiled = numatp.compile(model, sockets=topo, policy=policy, mode="eager", gemm=gemm, auto_measure=0)
         assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, policy)
-    (plan,) = compiled._numatp_backend.plans
+    backend = compiled._numatp_backend
+    (plan,) = backend.plans
     decided = [b for b in plan.blocks if b.kind != "lm_head"]
     if policy == "auto":
         assert decided and all("predicted" in b.reason for b in decided)
-    (variant,) = [v for g in compiled._numatp_backend.graphs for v in g.variants.values()]
-    unsharded = not any(b.sharded for b in plan.blocks)
-    assert unsharded or policy == "auto"
-    assert (variant.baseline is not None) == unsharded and (variant.executor is None) == unsharded
+    (variant,) = [v for g in backend.graphs for v in g.variants.values()]
+    assert not any(b.sharded for b in decided)
+    assert backend._group is None  # the per-socket workers were never started
+    if not gemm:
+        assert variant.baseline is not None and variant.executor is None
+        return
+    assert variant.baseline is None
+    group = variant.executor.group
+    assert group.size == 1 and sorted(group.topology.sockets[0].cpus) == sorted(topo.allowed_cpus)
+    assert group.run(lambda r: (sorted(os.sched_getaffinity(0)), torch.get_num_threads())) == [
+        (sorted(topo.allowed_cpus), len(topo.allowed_cpus))]
+    # every weight matmul of the one program got a measured provider, as in sharded programs
+    rows = variant.executor.gemm.report()
+    assert rows and all(r["rank"] == 0 and r["threads"] == len(topo.allowed_cpus) and r["gflops"] > 0
+                        for r in rows)
+
+
+@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "no-gemm"])
+def test_auto_measures_both_plans_when_close(gemm):
+    # the built-in model predicts sharding on one memory node within a few percent of unsharded: with
+    # auto_measure covering that margin both plans are built, timed on the first call, the faster kept
+    topo = Topology.virtual(sockets=2)
+    model = zoo.build("gpt2", tiny=True)
+    inputs = zoo.example_inputs(model, batch=1, seq=16)
+    with torch.inference_mode():
+        compiled = numatp.compile(model, sockets=topo, policy="auto", mode="eager", gemm=gemm, auto_measure=10.0)
+        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto, measured")
+        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto, second call")
+    backend = compiled._numatp_backend
+    (variant,) = [v for g in backend.graphs for v in g.variants.values()]
+    decided = [b for b in variant.plan.blocks if b.kind != "lm_head"]
+    notes = {b.reason.rsplit("; ", 1)[-1] for b in decided}
+    assert len(notes) == 1
+    (note,) = notes
+    m = re.search(r"timed on the first call: sharded ([\d.]+) ms, unsharded ([\d.]+) ms: (\w+)$", note)
+    assert m, note
+    sharded_ms, unsharded_ms, pick = float(m[1]), float(m[2]), m[3]
+    assert pick == ("sharded" if sharded_ms < unsharded_ms else "unsharded")
+    assert all(b.sharded == (pick == "sharded") for b in decided)
+    assert variant.plan.predicted and set(variant.plan.predicted) == {"sharded", "unsharded"}
+    # only the kept plan's weights stay: the other store was emptied of what its build made
+    sharded_store = backend.weights
+    whole_store = backend._whole[1] if backend._whole else None
+    if pick == "sharded":
+        assert variant.executor.group.size == 2 and sharded_store.mark()
+        assert whole_store is None or not whole_store.mark()
+    else:
+        assert not sharded_store.mark()
+        if gemm:
+            assert variant.executor.group.size == 1 and whole_store.mark()
+        else:
+            assert variant.baseline is not None
+
+
+def test_auto_trusts_the_model_when_predictions_are_far_apart():
+    topo = Topology.virtual(sockets=2)
+    model = zoo.build("gpt2", tiny=True)
+    inputs = zoo.example_inputs(model, batch=1, seq=16)
+    backend = NumaTPBackend(topo, policy="auto", mode="eager", auto_measure=0.15,
+                            decide=lambda cand, n: ({"sharded": 1.0, "unsharded": 2.0}, "test: sharding halves it"))
+    with torch.inference_mode():
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto, model only")
+    (variant,) = [v for g in backend.graphs for v in g.variants.values()]
+    decided = [b for b in variant.plan.blocks if b.kind != "lm_head"]
+    assert all(b.sharded and "timed on the first call" not in b.reason for b in decided)
+    assert backend._whole is None   # the unsharded plan was never built
+
+
+@pytest.mark.parametrize("bad", [-0.1, "0.1", True])
+def test_auto_measure_must_be_a_fraction(bad):
+    with pytest.raises(ValueError, match="auto_measure"):
+        NumaTPBackend(Topology.virtual(sockets=2), policy="auto", auto_measure=bad)
 
 
 def test_keyboard_interrupt_leaves_the_group_usable():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -49,8 +50,27 @@ def test_explain_gemm_shows_provider_and_rate_per_socket_shape(tmp_path):
     text = _numatp("explain", "gpt2", "--tiny", "--sockets", "2", "--gemm", env=env)
     assert text.returncode == 0, text.stderr
     assert "GEMM providers" in text.stdout and "128 x 64 x 96" in text.stdout
-    never = _numatp("explain", "gpt2", "--tiny", "--sockets", "2", "--gemm", "--policy", "never", env=env)
-    assert "runs unsharded as plain Inductor" in never.stdout
+    never = _numatp("explain", "gpt2", "--tiny", "--sockets", "2", "--gemm", "--policy", "never", "--json", env=env)
+    assert never.returncode == 0, never.stderr
+    (graph,) = json.loads(never.stdout)["graphs"]
+    # unsharded: one program on one socket of all CPUs, whole weights, measured providers as well
+    assert graph["gemm"]["unsharded"] and {r["rank"] for r in graph["gemm"]["rows"]} == {0}
+    assert {(r["k"], r["n"]) for r in graph["gemm"]["rows"]} >= {(64, 192), (64, 64), (64, 256), (256, 64)}
+    assert all(r["threads"] == len(os.sched_getaffinity(0)) and r["gflops"] > 0 for r in graph["gemm"]["rows"])
+
+
+def test_explain_auto_shows_predictions_and_whether_compile_measures(tmp_path):
+    env = {"XDG_CACHE_HOME": str(tmp_path)}   # no calibrated profile: the built-in estimate
+    r = _numatp("explain", "gpt2", "--tiny", "--sockets", "2", "--policy", "auto", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    (graph,) = json.loads(r.stdout)["graphs"]
+    pred = graph["predicted"]
+    assert pred["sharded"] > 0 and pred["unsharded"] > 0
+    from numatp.backend import AUTO_MEASURE
+    assert graph["measures_both"] == (max(pred.values()) / min(pred.values()) - 1 <= AUTO_MEASURE)
+    text = _numatp("explain", "gpt2", "--tiny", "--sockets", "2", "--policy", "auto", env=env)
+    assert f"policy auto: predicted {1e3 * pred['sharded']:.1f} ms sharded" in text.stdout
+    assert ("builds both" in text.stdout) == graph["measures_both"]
 
 
 def test_topo_shows_gemm_ceilings_of_this_cpu(tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,8 +24,8 @@ from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import SegmentCompiler
 from numatp.topology import Topology
 
-__all__ = ["compile", "default_decider", "numatp_backend", "NumaTPBackend", "placement_report", "resolve_topology",
-           "runs_unsharded"]
+__all__ = ["AUTO_MEASURE", "close_call", "compile", "default_decider", "numatp_backend", "NumaTPBackend",
+           "placement_report", "resolve_topology", "runs_unsharded"]
 
 log = logging.getLogger("numatp")
 
@@ -48,13 +48,20 @@ def resolve_topology(sockets: None | int | Topology) -> Topology:
     return Topology(detected.nodes, detected.sockets[:sockets], detected.allowed_cpus, detected.is_virtual)
 
 
+AUTO_MEASURE = 0.15
+"""policy "auto": where the cost model predicts the sharded and unsharded plans within this fraction of
+each other, build both and keep the one measured faster on the first call (0: trust the model alone)."""
+
+_AUTO_ROUNDS = 3
+
+
 @dataclass
 class _Variant:
     plan: Plan
     executor: ShardedExecutor | None
     bindings: list
     build_seconds: float = 0.0
-    baseline: Callable | None = None   # nothing sharded (policy "never", or "auto"): plain Inductor, all cores
+    baseline: Callable | None = None   # nothing sharded and GEMM providers off: plain Inductor, all cores
     weights: list[list[Any]] | None = None  # per socket: its local weights, None where a call's input goes
 
     def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
@@ -62,24 +69,49 @@ class _Variant:
         return [[args[bd.index] if w is None else w for bd, w in zip(bindings, weights)]
                 for bindings, weights in zip(self.bindings, self.weights)]
 
+    def __call__(self, *args: Any) -> Any:
+        if self.baseline is not None:
+            return self.baseline(*args)
+        return self.executor.run(self.local_args(args))
+
 
 class NumaTPBackend:
     """A Dynamo backend bound to a topology, a policy and (optionally) the model's parameter names."""
 
     def __init__(self, topology: Topology, *, policy: str = "always", names: dict[int, str] | None = None,
                  decide: Callable | None = None, mode: str = "inductor", strict_placement: bool = False,
-                 gemm: bool | GemmOptions | None = None):
+                 gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE):
         if policy not in ("always", "never", "auto"):
             raise ValueError(f"policy={policy!r}: choose 'always', 'never' or 'auto'")
+        if isinstance(auto_measure, bool) or not isinstance(auto_measure, (int, float)) or auto_measure < 0:
+            raise ValueError(f"auto_measure={auto_measure!r}: pass a fraction >= 0 (0 trusts the cost model "
+                             f"alone; default {AUTO_MEASURE})")
         self.topology = topology
         self.policy = policy
+        self.auto_measure = float(auto_measure)
         self.names = names
         self.decide = decide
-        self.group = SocketGroup(topology)
         self.compiler = SegmentCompiler(mode=mode)
         self.weights = WeightStore(topology, strict=strict_placement)
         self.gemm = _gemm_selector(gemm)
         self.graphs: list[_CompiledGraph] = []
+        self._group: SocketGroup | None = None
+        self._whole: tuple[SocketGroup, WeightStore] | None = None
+
+    @property
+    def group(self) -> SocketGroup:
+        """The socket workers, started on the first sharded graph."""
+        if self._group is None:
+            self._group = SocketGroup(self.topology)
+        return self._group
+
+    def whole_machine(self) -> tuple[SocketGroup, WeightStore]:
+        """One worker pinned to every CPU of the topology and a store that leaves weights where they are:
+        where an unsharded graph runs with measured GEMM providers."""
+        if self._whole is None:
+            whole = self.topology.whole()
+            self._whole = SocketGroup(whole), WeightStore(whole, place=False)
+        return self._whole
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         graph = _CompiledGraph(self, gm)
@@ -102,9 +134,7 @@ class _CompiledGraph:
         key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
         with self._lock:
             variant = self.variants.get(key) or self._build(key, list(args))
-        if variant.baseline is not None:
-            return variant.baseline(*args)
-        return variant.executor.run(variant.local_args(args))
+        return variant(*args)
 
     def _build(self, key: tuple, args: list[Any]) -> _Variant:
         import time
@@ -116,40 +146,124 @@ class _CompiledGraph:
         if b.policy == "auto":
             decide = b.decide or default_decider(b.topology)
         plan = plan_graph(ag, n, policy=b.policy, decide=decide)
-        if runs_unsharded(plan, b.policy):
-            if b.compiler.mode == "eager":
-                fn = self.gm
-            else:
-                from torch._inductor.compile_fx import compile_fx
-                with torch.no_grad():
-                    fn = compile_fx(self.gm, args)
-            variant = _Variant(plan, None, [], time.perf_counter() - t0, baseline=fn)
+        if b.policy == "auto" and close_call(plan, b.auto_measure):
+            variant = self._measure_both(plan, ag, args, t0)
             self.variants[key] = variant
-            log.info("numatp: policy %s keeps this graph unsharded (plain Inductor)", b.policy)
             return variant
-        programs = [localize(ag, r) for r in range(n)]
-        bindings = [p.bindings for p in programs]
-        local = [b.weights.local_args(bindings[r], args, r) for r in range(n)]
-        executor = ShardedExecutor(b.group, b.compiler, gemm=b.gemm)
-        executor.build([p.gm for p in programs], local,
-                       weights=[p.weight_indices for p in programs])
-        for r, swaps in enumerate(executor.swaps):
-            for plain, prepared in swaps.values():
-                b.weights.replace(r, plain, prepared)
-        local = [b.weights.local_args(bindings[r], args, r) for r in range(n)]
-        executor.warm(local)
-        # the weights are fixed for this variant: look them up once, not on every call
-        weights = [[None if bd.placement is None else a for bd, a in zip(bindings[r], local[r])] for r in range(n)]
-        variant = _Variant(plan, executor, bindings, time.perf_counter() - t0, weights=weights)
+        if runs_unsharded(plan, b.policy):
+            if b.gemm is None:
+                variant = _Variant(plan, None, [], time.perf_counter() - t0,
+                                   baseline=_plain(self.gm, args, b.compiler.mode))
+                log.info("numatp: policy %s keeps this graph unsharded (plain Inductor)", b.policy)
+            else:
+                variant = self._unsharded(plan, ag, args, t0)
+                log.info("numatp: policy %s keeps this graph unsharded (one program on all %d CPUs)",
+                         b.policy, len(variant.executor.group.topology.sockets[0].cpus))
+            self.variants[key] = variant
+            return variant
+        variant = self._programs(plan, ag, args, b.group, b.weights, t0)
         self.variants[key] = variant
         log.info("numatp: %d sockets, %d reductions, built in %.1fs", n, plan.reductions, variant.build_seconds)
         return variant
 
+    def _unsharded(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> _Variant:
+        """One program on one socket of all CPUs: unsharded, but with the measured GEMM providers the
+        sharded programs get, so that the choice between the two compares like with like."""
+        group, store = self.backend.whole_machine()
+        plan_graph(ag, 1, policy="never")
+        return self._programs(plan, ag, args, group, store, t0)
+
+    def _measure_both(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> _Variant:
+        """policy "auto" where the model's two predictions are close: build the graph sharded and
+        unsharded, time both on this call's inputs (alternating, best of ``_AUTO_ROUNDS``), keep the
+        faster and drop the other's weights. The blocks' reasons say what was predicted and measured."""
+        import time
+        b = self.backend
+        n = b.topology.num_sockets
+        sharded_plan = plan_graph(ag, n, policy="always")
+        marks = {"sharded": (b.weights, b.weights.mark())}
+        sharded = self._programs(sharded_plan, ag, args, b.group, b.weights, t0)
+        if b.gemm is None:
+            unsharded_plan = plan_graph(ag, n, policy="never")
+            unsharded = _Variant(unsharded_plan, None, [], baseline=_plain(self.gm, args, b.compiler.mode))
+        else:
+            store = b.whole_machine()[1]
+            marks["unsharded"] = (store, store.mark())
+            unsharded = self._unsharded(plan_graph(ag, n, policy="never"), ag, args, t0)
+        best = {"sharded": float("inf"), "unsharded": float("inf")}
+        with torch.no_grad():
+            for _ in range(_AUTO_ROUNDS):
+                for name, v in (("sharded", sharded), ("unsharded", unsharded)):
+                    start = time.perf_counter()
+                    v(*args)
+                    best[name] = min(best[name], time.perf_counter() - start)
+        pick = "sharded" if best["sharded"] < best["unsharded"] else "unsharded"
+        lost = "unsharded" if pick == "sharded" else "sharded"
+        if lost in marks:
+            store, mark = marks[lost]
+            store.drop_since(mark)   # no shard or packed weight made for the losing plan stays alive
+        keep = sharded if pick == "sharded" else unsharded
+        pred = plan.predicted
+        note = (f"predicted {1e3 * pred['sharded']:.1f} ms sharded vs {1e3 * pred['unsharded']:.1f} ms unsharded "
+                f"(within {100 * b.auto_measure:.0f}%), so both were built and timed on the first call: "
+                f"sharded {1e3 * best['sharded']:.1f} ms, unsharded {1e3 * best['unsharded']:.1f} ms: {pick}")
+        # the blocks the pass can shard, as the sharded plan found them, each with the model's reason
+        # and the measurement; the kept plan's weights say how they run
+        why = {blk.module: blk.reason for blk in plan.blocks}
+        blocks = tuple(replace(blk, sharded=blk.sharded and pick == "sharded",
+                               reason=f"{why[blk.module]}; {note}" if why.get(blk.module) else note)
+                       for blk in sharded_plan.blocks)
+        keep.plan = replace(keep.plan, blocks=blocks, predicted=pred)
+        keep.build_seconds = time.perf_counter() - t0
+        log.info("numatp: policy auto measured both plans: %s", note)
+        return keep
+
+    def _programs(self, plan: Plan, ag: Any, args: list[Any], group: SocketGroup, store: WeightStore,
+                  t0: float) -> _Variant:
+        """Localize ``ag`` (annotated for ``group``'s socket count), place its weights in ``store``,
+        compile and warm the programs on ``group``."""
+        import time
+        b = self.backend
+        n = group.size
+        programs = [localize(ag, r) for r in range(n)]
+        bindings = [p.bindings for p in programs]
+        local = [store.local_args(bindings[r], args, r) for r in range(n)]
+        executor = ShardedExecutor(group, b.compiler, gemm=b.gemm)
+        executor.build([p.gm for p in programs], local,
+                       weights=[p.weight_indices for p in programs])
+        for r, swaps in enumerate(executor.swaps):
+            for plain, prepared in swaps.values():
+                store.replace(r, plain, prepared)
+        local = [store.local_args(bindings[r], args, r) for r in range(n)]
+        executor.warm(local)
+        # the weights are fixed for this variant: look them up once, not on every call
+        weights = [[None if bd.placement is None else a for bd, a in zip(bindings[r], local[r])] for r in range(n)]
+        return _Variant(plan, executor, bindings, time.perf_counter() - t0, weights=weights)
+
+
+def close_call(plan: Plan, margin: float = AUTO_MEASURE) -> bool:
+    """Whether policy "auto" measures both plans of ``plan``'s graph: its predictions lie within ``margin``."""
+    pred = plan.predicted
+    if not pred or margin <= 0:
+        return False
+    low, high = sorted((pred["sharded"], pred["unsharded"]))
+    return low > 0 and high / low - 1 <= margin
+
+
+def _plain(gm: torch.fx.GraphModule, args: list[Any], mode: str) -> Callable:
+    """The graph as plain Inductor on the calling thread (all cores), or uncompiled in eager mode."""
+    if mode == "eager":
+        return gm
+    from torch._inductor.compile_fx import compile_fx
+    with torch.no_grad():
+        return compile_fx(gm, args)
+
 
 def runs_unsharded(plan: Plan, policy: str) -> bool:
-    """Whether the backend runs ``plan`` as plain Inductor on all cores rather than as socket programs:
-    policy "never", or "auto" where no block (LM head aside) is sharded. Replicated blocks in socket
-    programs would run whole on each socket's share of the cores, never faster than plain Inductor."""
+    """Whether the backend runs ``plan`` unsharded on all cores rather than as socket programs: policy
+    "never", or "auto" where no block (LM head aside) is sharded. Replicated blocks in socket programs
+    would run whole on each socket's share of the cores, never faster than one program on all of them
+    (plain Inductor, or with GEMM providers on, one numatp program on one socket of all CPUs)."""
     return policy == "never" or (policy == "auto" and not any(b.sharded for b in plan.blocks if b.kind != "lm_head"))
 
 
@@ -195,20 +309,22 @@ in ``~/.cache/numatp``), ``aten`` (Inductor's call) unless another wins by ``Gem
 
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",
             mode: str = "inductor", strict_placement: bool = False,
-            gemm: bool | GemmOptions | None = None) -> torch.nn.Module:
+            gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE) -> torch.nn.Module:
     """``torch.compile(model)`` with NUMA-aware tensor parallelism over ``sockets``.
 
     ``sockets``: None uses the detected topology; an int N its first N sockets (N virtual sockets on a
     single-node machine); or a :class:`numatp.Topology`. ``policy``: "always" shards every block numatp
-    understands, "never" none (the graph runs as plain Inductor on all cores), "auto" asks the cost
-    model per block and shards the whole graph or none of it. ``mode="eager"`` skips Inductor (debugging). ``gemm``: pick each weight matmul's kernel
-    (MKL, oneDNN, packed or not) by measuring it on this CPU (``True``, or :class:`GemmOptions`), keep
-    Inductor's (``False``), or numatp's default (``None``).
+    understands, "never" none (the graph runs unsharded on all cores), "auto" asks the cost
+    model per block and shards the whole graph or none of it; where its two predictions lie within
+    ``auto_measure`` (a fraction) of each other, both plans are built and the first call keeps the one
+    it measures faster. ``mode="eager"`` skips Inductor (debugging). ``gemm``: pick each weight matmul's
+    kernel (MKL, oneDNN, packed or not) by measuring it on this CPU (``True``, or :class:`GemmOptions`),
+    keep Inductor's (``False``), or numatp's default (``None``).
     """
     topology = resolve_topology(sockets)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     backend = NumaTPBackend(topology, policy=policy, names=names, mode=mode, strict_placement=strict_placement,
-                            gemm=gemm)
+                            gemm=gemm, auto_measure=auto_measure)
     compiled = torch.compile(model, backend=backend, dynamic=False)
     compiled._numatp_backend = backend  # type: ignore[attr-defined]
     return compiled

@@ -3,6 +3,8 @@
 On a real topology every shard and every replica is copied with ``numa_clone`` onto its socket's node
 (pages bound before first touch). On virtual sockets there is one memory node: replicas are the model's
 own tensors and shards are views where the split is one contiguous piece, so numatp adds no full copy.
+A store made with ``place=False`` (the unsharded program on one socket spanning all CPUs) never places:
+its weights stay where the model put them, as under plain ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ __all__ = ["WeightStore"]
 
 
 class WeightStore:
-    def __init__(self, topology: Topology, *, strict: bool = False):
+    def __init__(self, topology: Topology, *, strict: bool = False, place: bool = True):
         self.topology = topology
         self.strict = strict
+        self.wants_place = place
+        self.place = place and not topology.is_virtual
         self._made: dict[tuple, torch.Tensor] = {}
         self._keep: list[Any] = []   # the source tensors of the keys above stay alive while we use their id
         self._warned = False
@@ -40,8 +44,9 @@ class WeightStore:
             self._keep.append(param)
             with torch.no_grad():
                 local = shard_tensor(param.detach(), p, rank)
-                if self.topology.is_virtual:
-                    self._note_virtual()
+                if not self.place:
+                    if self.wants_place:
+                        self._note_virtual()
                     local = local.contiguous()
                 else:
                     local = numa_clone(local, self.topology.sockets[rank].node, strict=self.strict)
@@ -54,6 +59,15 @@ class WeightStore:
         for key, t in self._made.items():
             if key[-1] == rank and t is plain:
                 self._made[key] = prepared
+
+    def mark(self) -> set[tuple]:
+        """The weights made so far, for :meth:`drop_since`."""
+        return set(self._made)
+
+    def drop_since(self, mark: set[tuple]) -> None:
+        """Forget every weight made after ``mark`` (a variant that was built, then not kept)."""
+        for key in [k for k in self._made if k not in mark]:
+            del self._made[key]
 
     def _note_virtual(self) -> None:
         if not self._warned:
@@ -70,9 +84,10 @@ class WeightStore:
             for key, t in self._made.items():
                 if key[-1] != r:
                     continue
-                if t.layout != torch.strided:
-                    # a packed GEMM weight (oneDNN/MKL opaque tensor) has no data pointer to ask the
-                    # kernel about; it was allocated by the socket's worker, under its memory binding
+                if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                    # a packed GEMM weight (oneDNN/MKL opaque tensor, or the constant inside an Inductor
+                    # GEMM kernel) has no data pointer to ask the kernel about; it was allocated by the
+                    # socket's worker, under its memory binding
                     opaque += 1
                     continue
                 for node, n in pages_by_node(t).items():

@@ -45,6 +45,8 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
     model = zoo.build(model_name, tiny=tiny, dtype=getattr(torch, dtype))
     graphs = capture(model, **zoo.example_inputs(model, batch=batch, seq=seq))
     out = {"model": model_name, "sockets": sockets, "batch": batch, "seq": seq, "dtype": dtype, "graphs": []}
+    from numatp.backend import close_call
+
     decide = None
     if policy == "auto":
         from numatp.backend import default_decider, resolve_topology
@@ -68,34 +70,41 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
             "reductions": plan.reductions, "gathers": plan.gathers,
             "model_bytes": plan.model_bytes, "sharded_fraction": sharded_bytes / max(plan.model_bytes, 1),
             "socket_bytes": [plan.socket_bytes(r) for r in range(sockets)],
+            "predicted": plan.predicted,
+            "measures_both": policy == "auto" and close_call(plan),
         })
         if gemm:
             from numatp.backend import runs_unsharded
-            out["graphs"][-1]["gemm"] = None if runs_unsharded(plan, policy) else _gemm_choices(ag, inputs, sockets)
+            unsharded = runs_unsharded(plan, policy)
+            out["graphs"][-1]["gemm"] = _gemm_choices(ag, inputs, sockets, unsharded)
+            out["graphs"][-1]["gemm"]["unsharded"] = unsharded
     return out
 
 
-def _gemm_choices(ag, inputs: list, sockets: int) -> dict:
-    """Per socket and weight matmul: shape, provider picked and measured GFLOP/s (GemmSelector.preview)."""
+def _gemm_choices(ag, inputs: list, sockets: int, unsharded: bool) -> dict:
+    """Per socket and weight matmul: shape, provider picked and measured GFLOP/s (GemmSelector.preview).
+    An unsharded graph is one program on one socket of all CPUs, as the backend runs it."""
     from numatp.backend import resolve_topology
+    from numatp.plan import plan_graph
     from numatp.plan.localize import localize
     from numatp.plan.reference import bind_inputs
     from numatp.runtime import SocketGroup
     from numatp.runtime.gemm_pass import GemmSelector
 
-    programs = [localize(ag, r) for r in range(sockets)]
+    topology = resolve_topology(sockets)
+    if unsharded:
+        topology = topology.whole()
+        plan_graph(ag, 1, policy="never")
+    programs = [localize(ag, r) for r in range(topology.num_sockets)]
     args = [bind_inputs(p.bindings, inputs, p.rank) for p in programs]
     weights = [p.weight_indices for p in programs]
     selector = GemmSelector()
-    with SocketGroup(resolve_topology(sockets)) as group:
+    with SocketGroup(topology) as group:
         rows = selector.preview(group, [p.gm for p in programs], args, weights)
     return {"cache": str(selector.table.path), "margin": selector.options.margin, "rows": rows}
 
 
 def _print_gemm(g: dict) -> None:
-    if g.get("gemm") is None:
-        print("\nGEMM providers: this graph runs unsharded as plain Inductor (its own matmul kernels)")
-        return
     shapes: dict[tuple, dict] = {}
     for r in g["gemm"]["rows"]:
         key = (r["m"], r["k"], r["n"], r["dtype"], r["threads"], r["provider"])
@@ -103,8 +112,9 @@ def _print_gemm(g: dict) -> None:
         e["sockets"].add(r["rank"])
         e["uses"] += 1
     providers = sorted({p for e in shapes.values() for p in e["rates"]})
-    print(f"\nGEMM providers (GFLOP/s measured on this CPU at each socket's thread count; cache "
-          f"{g['gemm']['cache']})")
+    where = ("one program on one socket of all CPUs (unsharded)" if g["gemm"]["unsharded"]
+             else "each socket's thread count")
+    print(f"\nGEMM providers (GFLOP/s measured on this CPU, {where}; cache {g['gemm']['cache']})")
     print(f"{'M x K x N':<20} {'dtype':<9} {'threads':>7} {'sockets':<8} {'per socket':>10}  {'chosen':<15}"
           + "".join(f"{p:>15}" for p in providers))
     for (m, k, n, dt, t, prov), e in sorted(shapes.items()):
@@ -149,6 +159,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"cross-socket reductions: {g['reductions']} all-reduce, {g['gathers']} gather")
         print(f"weights: {g['model_bytes'] / _MIB:.1f} MiB, {100 * g['sharded_fraction']:.1f}% sharded; per socket: "
               + ", ".join(f"{b / _MIB:.1f} MiB" for b in g["socket_bytes"]))
+        if g["predicted"]:
+            from numatp.backend import AUTO_MEASURE
+            sh, un = g["predicted"]["sharded"], g["predicted"]["unsharded"]
+            close = g["measures_both"]
+            print(f"policy auto: predicted {1e3 * sh:.1f} ms sharded vs {1e3 * un:.1f} ms unsharded" + (
+                f"; within {100 * AUTO_MEASURE:.0f}% of each other, so numatp.compile builds both and keeps the "
+                "one the first call measures faster" if close else ""))
         if "gemm" in g:
             _print_gemm(g)
     return 0

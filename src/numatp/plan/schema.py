@@ -145,6 +145,8 @@ class Plan:
     weights: dict[str, tuple[WeightPlan, ...]]
     reductions: int
     gathers: int
+    predicted: dict[str, float] | None = None
+    """policy "auto": the cost model's seconds for the blocks it weighed, ``{"sharded": s, "unsharded": s}``."""
 
     def socket_bytes(self, rank: int) -> int:
         """Weight bytes socket ``rank`` holds; a parameter replicated for one use serves its other uses too."""

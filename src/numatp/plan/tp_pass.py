@@ -8,9 +8,10 @@ turns the annotated graph into one program per socket.
 
 from __future__ import annotations
 
+
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -89,6 +90,7 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
     accepted: dict[torch.fx.Node, str] = {}  # row -> the decider's reason to shard
     no_lm_head: set[torch.fx.Node] = set()
     narrowed: set[torch.fx.Node] = set()   # rows whose block retries with only the widest columns split
+    predicted = None
     if policy == "auto":
         # only blocks the pass can actually shard count: a block it must replicate (a norm over the
         # sharded features, say) runs whole either way, and its predicted gain would be fiction
@@ -97,7 +99,7 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
         except ValueError:  # these sockets cannot split some block's heads: nothing is sharded
             shardable = set()
         candidates = [(row, cols) for row, cols in find_blocks(matmuls, set()) if names[row.param] in shardable]
-        policy = _auto(candidates, names, sockets, decide, accepted, reasons)
+        policy, predicted = _auto(candidates, names, sockets, decide, accepted, reasons)
     while True:
         blocks = find_blocks(matmuls, excluded) if policy != "never" else []
         column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]] = {}
@@ -147,11 +149,13 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
                 excluded |= {row.node, *(c.node for c in cols)}
                 kind = "attention" if _has_attention(row, cols) else "mlp"
                 reasons[row.node] = (kind, _module([names[m.param] for m in [*cols, row]]), e.reason)
-    return _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node)
+    plan = _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node)
+    return replace(plan, predicted=predicted) if predicted else plan
 
 
-def _auto(blocks, names, sockets, decide, accepted, reasons) -> str:
-    """'always' or 'never' for the whole graph, from the decider's per-block predictions."""
+def _auto(blocks, names, sockets, decide, accepted, reasons) -> tuple[str, dict[str, float] | None]:
+    """'always' or 'never' for the whole graph from the decider's per-block predictions, and the
+    predicted seconds of the weighed blocks per choice (None when no block could be sharded)."""
     preds = []
     for row, cols in blocks:
         module = _module([names[m.param] for m in [*cols, row]])
@@ -167,7 +171,7 @@ def _auto(blocks, names, sockets, decide, accepted, reasons) -> str:
             accepted[row.node] = f"{why}; {total}"
         else:
             reasons[row.node] = (cand.kind, module, f"{why}; {total}: the graph stays unsharded")
-    return "always" if shard else "never"
+    return ("always" if shard else "never"), ({"sharded": sharded, "unsharded": unsharded} if preds else None)
 
 
 def _reaches_output(node: torch.fx.Node) -> bool:

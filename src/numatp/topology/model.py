@@ -148,6 +148,11 @@ class Topology:
         node = NumaNode(0, frozenset(usable), _machine_memory(), {0: _LOCAL_DISTANCE})
         return cls((node,), tuple(groups), frozenset(usable), is_virtual=True)
 
+    def whole(self) -> Topology:
+        """One virtual socket of every socket's CPUs: where numatp runs a graph unsharded on all cores
+        (one worker pinned to all of them, nothing placed)."""
+        return Topology.virtual(sockets=1, cpus=[c for s in self.sockets for c in s.cpus])
+
     @property
     def num_sockets(self) -> int:
         """Number of ranks."""
