@@ -175,8 +175,8 @@ class _CompiledGraph:
 
     def _measure_both(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> _Variant:
         """policy "auto" where the model's two predictions are close: build the graph sharded and
-        unsharded, time both on this call's inputs (alternating, best of ``_AUTO_ROUNDS``), keep the
-        faster and drop the other's weights. The blocks' reasons say what was predicted and measured."""
+        unsharded, time both on this call's inputs (one untimed call each, then alternating, best of
+        ``_AUTO_ROUNDS``), keep the faster and drop the other's weights. The blocks' reasons say what was predicted and measured."""
         import time
         b = self.backend
         n = b.topology.num_sockets
@@ -192,6 +192,8 @@ class _CompiledGraph:
             unsharded = self._unsharded(plan_graph(ag, n, policy="never"), ag, args, t0)
         best = {"sharded": float("inf"), "unsharded": float("inf")}
         with torch.no_grad():
+            for v in (sharded, unsharded):
+                v(*args)   # untimed: the workers' first call starts their thread pools and allocations
             for _ in range(_AUTO_ROUNDS):
                 for name, v in (("sharded", sharded), ("unsharded", unsharded)):
                     start = time.perf_counter()
