@@ -176,7 +176,8 @@ class _CompiledGraph:
     def _measure_both(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> _Variant:
         """policy "auto" where the model's two predictions are close: build the graph sharded and
         unsharded, time both on this call's inputs (one untimed call each, then alternating, best of
-        ``_AUTO_ROUNDS``), keep the faster and drop the other's weights. The blocks' reasons say what was predicted and measured."""
+        ``_AUTO_ROUNDS``), keep the faster and drop the other's weights. The blocks' reasons say what
+        was predicted and what was measured."""
         import time
         b = self.backend
         n = b.topology.num_sockets

@@ -18,8 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Measure per-socket GEMM throughput (fp32, bf16), local and remote DRAM bandwidth, "
         "barrier latency and all-reduce cost with pinned threads and node-placed buffers, and save "
         "them as a profile JSON for `numatp predict` and policy='auto'; then time every GEMM provider "
-        "(MKL, oneDNN, packed or not, Inductor's C++ template) on one socket and print these ceilings, which go into the "
-        "GEMM table numatp.compile reads. About 1-3 minutes.",
+        "(MKL, oneDNN, packed or not, Inductor's C++ template) on one socket and print these ceilings, "
+        "which go into the GEMM table numatp.compile reads. About 1-3 minutes.",
     )
     parser.add_argument("--out", metavar="PATH", default=None,
                         help=f"where to write the profile (default: {default_profile_path()})")
