@@ -184,13 +184,13 @@ class _CompiledGraph:
         sharded_plan = plan_graph(ag, n, policy="always")
         marks = {"sharded": (b.weights, b.weights.mark())}
         sharded = self._programs(sharded_plan, ag, args, b.group, b.weights, t0)
+        unsharded_plan = plan_graph(ag, n, policy="never")
         if b.gemm is None:
-            unsharded_plan = plan_graph(ag, n, policy="never")
             unsharded = _Variant(unsharded_plan, None, [], baseline=_plain(self.gm, args, b.compiler.mode))
         else:
             store = b.whole_machine()[1]
             marks["unsharded"] = (store, store.mark())
-            unsharded = self._unsharded(plan_graph(ag, n, policy="never"), ag, args, t0)
+            unsharded = self._unsharded(unsharded_plan, ag, args, t0)
         best = {"sharded": float("inf"), "unsharded": float("inf")}
         with torch.no_grad():
             for v in (sharded, unsharded):
