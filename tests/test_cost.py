@@ -7,7 +7,6 @@ Its sweep (Sec. III-B/D): six models x batch {1, 2, 4, 8} x sequence {128 ... 40
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,100 +14,113 @@ from dataclasses import replace
 import pytest
 
 from numatp.cost import (
-    BUILTIN_PROFILES, MachineProfile, blocks_for, choose, decide, load_profile, predict, predict_model,
+    BUILTIN_PROFILES, MachineProfile, blocks_for, choose, decide, load_profile, predict,
     save_profile,
 )
+from numatp.cost import paper
 
-MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m")  # Table III
-BATCHES = (1, 2, 4, 8)
-SEQS = (128, 256, 512, 1024, 2048, 4096)
-# Sizes of Table III, so these tests need no transformers import.
-SHAPES = {
-    "gpt2": dict(layers=12, hidden=768, heads=12, intermediate=3072, vocab=50257, mlp="gelu"),
-    "gpt2-medium": dict(layers=24, hidden=1024, heads=16, intermediate=4096, vocab=50257, mlp="gelu"),
-    "gpt2-large": dict(layers=36, hidden=1280, heads=20, intermediate=5120, vocab=50257, mlp="gelu"),
-    "bert-small": dict(layers=4, hidden=512, heads=8, intermediate=2048, vocab=30522, mlp="gelu"),
-    "bert-large": dict(layers=24, hidden=1024, heads=16, intermediate=4096, vocab=30522, mlp="gelu"),
-    "gemma3-270m": dict(layers=18, hidden=640, heads=4, kv_heads=1, head_dim=256, intermediate=2048,
-                        vocab=262144, mlp="geglu"),
-}
-
-
-def _geo(xs: list[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs))
-
-
-def _sweep(platform: str) -> dict[tuple[str, int, int], dict[str, float]]:
-    p = load_profile(platform)
-    return {(m, b, s): predict_model(SHAPES[m], b, s, "float32", p) for m in MODELS for b in BATCHES for s in SEQS}
+SHAPES = paper.MODELS
 
 
 @pytest.fixture(scope="module")
-def sweeps() -> dict[str, dict[tuple[str, int, int], dict[str, float]]]:
-    return {name: _sweep(name) for name in BUILTIN_PROFILES}
+def found() -> dict[tuple[str, str], paper.Finding]:
+    return {(f.platform, f.key): f for f in paper.findings()}
 
 
 def _gap(msg: str) -> pytest.MarkDecorator:
     return pytest.mark.xfail(strict=True, reason=f"model does not reproduce the paper yet: {msg}")
 
 
+def _holds(f: paper.Finding) -> None:
+    assert f.holds, f"{f.platform}: {f.claim}: predicted {f.predicted:.2f}, paper {f.paper}, rule {f.rule}"
+
+
 @_gap("small-model, short-sequence cells are compute-bound in the model and come out at 0.97-0.99x")
 @pytest.mark.parametrize("platform", ["haswell-2s", "cascadelake-2s"])
-def test_two_socket_speedup_above_one_everywhere(sweeps, platform):
+def test_two_socket_speedup_above_one_everywhere(found, platform):
     # Paper Sec. III-D / Table IV: NUMA-TP is slower than default in 0/144 configurations (Cascade
     # Lake); Fig. 8a: every Haswell cell > 1.
-    worst = min(r["speedup"] for r in sweeps[platform].values())
-    assert worst > 1.0, f"{platform}: slowest predicted speedup {worst:.2f}x"
+    _holds(found[platform, "min"])
 
 
-def test_four_socket_slower_at_short_sequences(sweeps):
+def test_four_socket_slower_at_short_sequences(found):
     # Paper Sec. III-E, Fig. 9: geometric mean 0.48x at s=128; no configuration at s <= 512 faster.
-    at128 = _geo([r["speedup"] for (m, b, s), r in sweeps["haswell-ex-4s"].items() if s == 128])
-    assert at128 < 1.0, f"predicted geo-mean at s=128 is {at128:.2f}x, paper 0.48x"
+    _holds(found["haswell-ex-4s", "seq128"])
 
 
-def test_four_socket_faster_at_long_sequences(sweeps):
+def test_four_socket_faster_at_long_sequences(found):
     # Paper Sec. III-E: "Every measured configuration at s >= 2048 is faster than the baseline".
-    worst = min(r["speedup"] for (m, b, s), r in sweeps["haswell-ex-4s"].items() if s >= 2048)
-    assert worst > 1.0, f"slowest predicted 4-socket speedup at s >= 2048 is {worst:.2f}x"
+    _holds(found["haswell-ex-4s", "long-min"])
 
 
-@_gap("predicted 4-socket geo-mean crosses 1.0 between s=256 and s=512 (0.98, 1.00, 1.07 at 128/256/512), not between 1024 and 2048")
-def test_four_socket_crossover_between_1024_and_2048(sweeps):
+@_gap("predicted 4-socket geo-mean crosses 1.0 between s=256 and s=512 (0.98, 1.00, 1.07 at 128/256/512), "
+      "not between 1024 and 2048")
+def test_four_socket_crossover_between_1024_and_2048(found):
     # Paper Fig. 9: geometric mean crosses 1.0x between s=1024 and s=2048.
-    per_seq = {s: _geo([r["speedup"] for (m, b, q), r in sweeps["haswell-ex-4s"].items() if q == s]) for s in SEQS}
-    assert per_seq[1024] < 1.0 < per_seq[2048], per_seq
+    _holds(found["haswell-ex-4s", "crossover"])
 
 
-def test_cascadelake_geomean_within_25_percent(sweeps):
+def test_cascadelake_geomean_within_25_percent(found):
     # Paper Table IV: NUMA-TP geometric-mean speedup 1.38x over the 144 Cascade Lake configurations.
-    geo = _geo([r["speedup"] for r in sweeps["cascadelake-2s"].values()])
-    assert 0.75 * 1.38 <= geo <= 1.25 * 1.38, f"predicted {geo:.2f}x, paper 1.38x"
+    _holds(found["cascadelake-2s", "geomean"])
 
 
-def test_four_socket_geomeans_within_25_percent(sweeps):
+@pytest.mark.parametrize("key", ["seq4096", "long-geomean"])
+def test_four_socket_geomeans_within_25_percent(found, key):
     # Paper Sec. III-E: geo-mean 1.56x at s=4096, 1.38x over all configurations with s >= 2048.
-    runs = sweeps["haswell-ex-4s"]
-    at4096 = _geo([r["speedup"] for (m, b, s), r in runs.items() if s == 4096])
-    long = _geo([r["speedup"] for (m, b, s), r in runs.items() if s >= 2048])
-    assert 0.75 * 1.56 <= at4096 <= 1.25 * 1.56, f"s=4096: predicted {at4096:.2f}x, paper 1.56x"
-    assert 0.75 * 1.38 <= long <= 1.25 * 1.38, f"s>=2048: predicted {long:.2f}x, paper 1.38x"
+    _holds(found["haswell-ex-4s", key])
 
 
 @_gap("one-socket is predicted 0.91x of the baseline, paper 0.59x")
-def test_single_socket_geomean_within_25_percent(sweeps):
+def test_single_socket_geomean_within_25_percent(found):
     # Paper Table IV: single socket (--cpunodebind=0 --membind=0) geometric mean 0.59x on Cascade Lake.
-    geo = _geo([r["unsharded"] / r["one-socket"] for r in sweeps["cascadelake-2s"].values()])
-    assert 0.75 * 0.59 <= geo <= 1.25 * 0.59, f"predicted {geo:.2f}x, paper 0.59x"
+    _holds(found["cascadelake-2s", "single-socket"])
 
 
 @_gap("Haswell's and Cascade Lake's predicted geo-means are equal (1.31x each)")
-def test_haswell_geomean_above_cascadelake(sweeps):
+def test_haswell_geomean_above_cascadelake(found):
     # Paper Sec. III-C1: the gain "tracks the number of cores per socket": Haswell (6 cores) speedups
     # frequently exceed 2.0x, Cascade Lake (15 cores) ranges 1.10-1.87x.
-    has = _geo([r["speedup"] for r in sweeps["haswell-2s"].values()])
-    cas = _geo([r["speedup"] for r in sweeps["cascadelake-2s"].values()])
-    assert has > cas, f"Haswell {has:.2f}x, Cascade Lake {cas:.2f}x"
+    _holds(found["haswell-2s", "above-cascadelake"])
+
+
+def _fake_sweep(speedup, one_socket: float = 0.6) -> dict:
+    """A sweep whose speedup is speedup(model, batch, seq) and whose single socket runs at ``one_socket``
+    times the baseline's speed."""
+    return {(m, b, s): {"speedup": speedup(m, b, s), "unsharded": 1.0, "sharded": 1.0 / speedup(m, b, s),
+                        "one-socket": 1.0 / one_socket} for m in paper.MODELS for b in paper.BATCHES
+            for s in paper.SEQS}
+
+
+def test_findings_rules_can_fail_and_pass():
+    # The paper's own shape: 2-socket 1.4x everywhere (Haswell 1.5x), 4-socket rising with seq through 1.0
+    # between 1024 and 2048; single socket 0.6x.
+    four = {128: 0.5, 256: 0.6, 512: 0.75, 1024: 0.9, 2048: 1.2, 4096: 1.55}
+    good = {"haswell-2s": _fake_sweep(lambda m, b, s: 1.5), "cascadelake-2s": _fake_sweep(lambda m, b, s: 1.4),
+            "haswell-ex-4s": _fake_sweep(lambda m, b, s: four[s])}
+    found = {(f.platform, f.key): f for f in paper.findings(good)}
+    assert all(f.holds for f in found.values() if f.holds is not None)
+    assert 1024 < found["haswell-ex-4s", "crossover"].predicted < 2048
+    # swap the platforms' gains and shift the crossing: the same rules now fail
+    # Haswell below Cascade Lake, one slow cell, shift the crossing, halve the single socket: those rules fail
+    bad = {"haswell-2s": _fake_sweep(lambda m, b, s: 1.3),
+           "cascadelake-2s": _fake_sweep(lambda m, b, s: 0.99 if s == 128 else 1.5, one_socket=0.3),
+           "haswell-ex-4s": _fake_sweep(lambda m, b, s: four[s] * 1.2)}
+    found = {(f.platform, f.key): f for f in paper.findings(bad)}
+    assert {k for k, f in found.items() if f.holds is False} == {
+        ("haswell-2s", "above-cascadelake"), ("cascadelake-2s", "min"), ("cascadelake-2s", "single-socket"),
+        ("haswell-ex-4s", "crossover")}
+
+
+def test_predict_paper_prints_every_finding():
+    out = _cli("predict", "--paper", "--json", timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [(r["platform"], r["key"]) for r in rows] == [(f.platform, f.key) for f in paper.findings()]
+    text = _cli("predict", "--paper", timeout=120)
+    assert "checked figures hold" in text.stdout and "crosses 1.0" in text.stdout
+    bad = _cli("predict", "--paper", "--seq", "128", timeout=60)
+    assert bad.returncode != 0 and "--paper" in bad.stderr and "--seq" in bad.stderr
 
 
 @pytest.mark.parametrize("choice", ["sharded", "unsharded", "one-socket"])

@@ -1,4 +1,5 @@
-"""``numatp predict``: predicted prefill time per choice and block kind, and NUMA-TP's speedup."""
+"""``numatp predict``: predicted prefill time per choice and block kind, and NUMA-TP's speedup; with
+``--paper``, the paper's reported figures next to the model's on the built-in platforms."""
 
 from __future__ import annotations
 
@@ -15,20 +16,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "predict",
         help="predict prefill time sharded / unsharded / on one socket from a profile",
         description="Predict one prefill's time per execution choice and per block kind from a "
-        "machine profile, and the speedup of NUMA-TP (sharded) over the NUMA-oblivious baseline.",
+        "machine profile, and the speedup of NUMA-TP (sharded) over the NUMA-oblivious baseline. "
+        "With --paper instead: every figure of the paper's evaluation (144 configurations per "
+        "platform) next to the model's prediction on the built-in profiles, and whether it holds.",
     )
-    parser.add_argument("--platform", required=True, metavar="NAME|PROFILE.json",
+    parser.add_argument("--platform", metavar="NAME|PROFILE.json",
                         help=f"a built-in platform ({', '.join(BUILTIN_PROFILES)}) or a calibrate profile")
-    parser.add_argument("--model", required=True, metavar="PRESET", help="a numatp.zoo preset, e.g. gpt2")
-    parser.add_argument("--batch", type=int, required=True, metavar="B")
-    parser.add_argument("--seq", type=int, required=True, metavar="S")
+    parser.add_argument("--model", metavar="PRESET", help="a numatp.zoo preset, e.g. gpt2")
+    parser.add_argument("--batch", type=int, metavar="B")
+    parser.add_argument("--seq", type=int, metavar="S")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--json", action="store_true", help="print one JSON object (key speedup, ...)")
+    parser.add_argument("--paper", action="store_true",
+                        help="compare the model with the paper's results (takes no other option but --json)")
+    parser.add_argument("--json", action="store_true",
+                        help="print JSON: one object (key speedup, ...), or with --paper a list of findings")
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    one = {"--platform": args.platform, "--model": args.model, "--batch": args.batch, "--seq": args.seq}
+    if args.paper:
+        given = [k for k, v in one.items() if v is not None]
+        if given:
+            raise SystemExit(f"numatp predict: --paper runs the paper's own sweep on its three platforms, so "
+                             f"it takes no {', '.join(given)}; drop them, or drop --paper")
+        return _paper(args.json)
+    missing = [k for k, v in one.items() if v is None]
+    if missing:
+        raise SystemExit(f"numatp predict: {', '.join(missing)} missing; give --platform, --model, --batch and "
+                         "--seq for one prediction, or --paper for the paper comparison")
     try:
         profile = load_profile(args.platform)
         blocks = blocks_for(args.model, args.batch, args.seq, args.dtype)
@@ -56,4 +73,26 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'total':>10}  " + "  ".join(f"{total[c] * 1e3:9.2f}ms" for c in CHOICES))
     print("(total sharded keeps the LM head unsharded, as the paper's NUMA-TP does)")
     print(f"predicted NUMA-TP speedup over the baseline: {total['speedup']:.2f}x")
+    return 0
+
+
+def _paper(as_json: bool) -> int:
+    from dataclasses import asdict
+
+    from numatp.cost.paper import findings
+
+    rows = findings()
+    if as_json:
+        print(json.dumps([asdict(f) for f in rows], indent=2))
+        return 0
+    print("The paper's figures (fp32, 6 models x batch 1-8 x seq 128-4096) against the model's prediction on "
+          "the built-in profiles")
+    print(f"{'platform':<15} {'paper':>6} {'model':>7}  {'holds':<5}  what (rule)")
+    for f in rows:
+        paper = "-" if f.paper is None else f"{f.paper:.2f}"
+        holds = "" if f.holds is None else ("yes" if f.holds else "NO")
+        rule = f" ({f.rule})" if f.rule else ""
+        print(f"{f.platform:<15} {paper:>6} {f.predicted:>7.2f}  {holds:<5}  {f.claim}{rule}")
+    checked = [f for f in rows if f.holds is not None]
+    print(f"{sum(f.holds for f in checked)} of {len(checked)} checked figures hold; the others are for comparison")
     return 0
