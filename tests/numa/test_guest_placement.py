@@ -95,3 +95,18 @@ def test_membind_puts_the_threads_new_tensors_on_its_node(topology, capsys):
     assert list(bound) == [last.node]
     assert list(after) == [first.node]
     assert policy == (_syscalls.MPOL_DEFAULT, [])
+
+
+def test_calibrate_measures_remote_reads(topology, capsys):
+    # On one node these are None ("not measurable"); here both the socket's and one core's reads of
+    # another node's buffer are timed, the figures the cost model's remote stalls run at.
+    from numatp.cost.calibrate import measure_profile
+
+    p = measure_profile(topology, quick=True)
+    with capsys.disabled():
+        print(f"\n[numa] calibrate: local {p.local_bw_gbs} GB/s, remote {p.remote_bw_gbs} GB/s "
+              f"(one core {p.remote_core_gbs} GB/s), barrier {p.barrier_us} us")
+    assert p.sockets == len(topology.sockets)
+    assert p.remote_bw_gbs is not None and p.remote_bw_gbs > 0
+    assert p.remote_core_gbs is not None and p.remote_core_gbs > 0
+    assert "another node" in p.sources["remote_core_gbs"]

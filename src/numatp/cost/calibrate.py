@@ -113,10 +113,13 @@ def measure_profile(
     local = _read_bw(s0.cpus, buf, repeat)
     nodes = sorted({s.node for s in topo.sockets})
     remote: float | None = None
+    remote_core: float | None = None
     if len(nodes) > 1 and not topo.is_virtual:
         far = next(s for s in topo.sockets if s.node != s0.node)
-        progress(f"remote read bandwidth: socket 0 reading node {far.node}")
-        remote = _read_bw(s0.cpus, _place(buf, far.node), repeat)
+        progress(f"remote read bandwidth: socket 0 reading node {far.node}, all its CPUs then one")
+        far_buf = _place(buf, far.node)
+        remote = _read_bw(s0.cpus, far_buf, repeat)
+        remote_core = _read_bw(s0.cpus[:1], far_buf, repeat)
     progress(f"barrier latency across {len(topo.sockets)} pinned threads")
     barrier = _barrier_us(topo, 200 if quick else 1000)
     n = len(topo.sockets)
@@ -142,6 +145,7 @@ def measure_profile(
         gemm_tile=128,
         local_bw_gbs=round(local, 2),
         remote_bw_gbs=None if remote is None else round(remote, 2),
+        remote_core_gbs=None if remote_core is None else round(remote_core, 2),
         l3_mib=l3,
         barrier_us=round(barrier, 2),
         allreduce_ns_per_byte=round(ar_sec / (part * 4) * 1e9, 4),
@@ -153,6 +157,11 @@ def measure_profile(
             "remote_bw_gbs": (
                 f"{how}: socket 0 summing a buffer on another node"
                 if remote is not None
+                else "not measurable on a single-node machine (virtual topology or one NUMA node)"
+            ),
+            "remote_core_gbs": (
+                f"{how}: one CPU of socket 0 summing the same buffer on another node"
+                if remote_core is not None
                 else "not measurable on a single-node machine (virtual topology or one NUMA node)"
             ),
             "barrier_us": f"{how}: threading.Barrier among {n} pinned threads, mean round",

@@ -33,14 +33,16 @@ def choose(block: BlockShape, profile: MachineProfile, *, sockets: int | None = 
 
 
 def predict_model(
-    preset: str | Mapping[str, Any], batch: int, seq: int, dtype: str, profile: MachineProfile
+    preset: str | Mapping[str, Any], batch: int, seq: int, dtype: str, profile: MachineProfile, *,
+    lm_head: bool = True,
 ) -> dict[str, float]:
     """Predicted seconds of one prefill per choice, and ``speedup`` = unsharded / sharded.
 
     "sharded" is the paper's NUMA-TP plan: attention and MLP blocks sharded, the LM head left as in
-    the baseline (the paper's passes cover attention, MLP and normalisation only).
+    the baseline (the paper's passes cover attention, MLP and normalisation only). ``lm_head=False``
+    leaves the LM head out of the prefill altogether (a model body without its head).
     """
-    blocks = blocks_for(preset, batch, seq, dtype)
+    blocks = [b for b in blocks_for(preset, batch, seq, dtype) if lm_head or b.kind != "lm_head"]
     out = {c: 0.0 for c in CHOICES}
     for b in blocks:
         times = {c: predict(b, profile, c) for c in CHOICES}

@@ -29,17 +29,22 @@ Modelling assumptions, each with its reason:
    the per-socket weight by N and can bring it under the L3.
 4. The unsharded baseline touches all weight columns from every socket (the oblivious pool hands
    tiles of every column panel to every socket), so its per-socket weight is the full weight.
-5. Unsharded memory time is the larger of (a) a non-zero socket's time, which reads its 1/N share
-   of weight traffic remotely from node 0 and (N-1)/N of its activation traffic remotely, and (b)
-   node 0's controller serving all weight traffic. In (a) local and remote times add rather than
-   overlap: the paper observes cores stalling on QPI fetches (latency-bound misses), not a saturated
-   link running beside busy local channels.
+5. Unsharded, a non-zero socket reads its 1/N share of weight traffic remotely from node 0 and
+   (N-1)/N of its activation traffic remotely. Those remote reads are stalls: their time adds to the
+   stage's compute-or-local-memory time instead of overlapping it (the paper, Sec. III-C1: cores "stall
+   on QPI fetches"), and they run at the socket's remote rate, the lesser of the link
+   (``remote_bw_gbs``) and its cores' lines in flight (``cores x remote_core_gbs``), so a socket of few
+   cores stalls longer on the same traffic: the paper's reason Haswell (6 cores) gains more than Cascade
+   Lake (15). The stage takes at least node 0's controller time for all weight traffic. On a machine
+   without a remote figure (one memory node) nothing is remote: the stage is the larger of compute and
+   memory, as in 1.
 6. Sharded memory time is one socket's 1/N of the traffic at local bandwidth; the input activation
    and the (replicated, paper Algorithm 3) normalisation are read in full on every socket.
-7. Sharded blocks pay, per kernel launch, one join of the socket groups (``barrier_us``) and, per
-   attention/MLP block, the all-reduce of (batch, seq, hidden) at ``allreduce_ns_per_byte``; the LM
-   head (column-parallel, no reduction) instead gathers its logits from the other sockets at remote
-   bandwidth.
+7. Each kernel ends in a join of all the threads that ran it in both plans (the baseline's pool spans
+   every socket too), so those joins cancel out of the comparison. What a sharded block adds is its
+   all-reduce of (batch, seq, hidden) at ``allreduce_ns_per_byte`` with its one join (``barrier_us``);
+   the LM head (column-parallel, no reduction) instead gathers its logits from the other sockets at
+   remote bandwidth after one join.
 8. Where the profile has no remote bandwidth (a single-node machine), remote reads cost the same as
    local ones: there is no locality to win, so sharding only adds synchronisation.
 """
@@ -55,14 +60,6 @@ __all__ = ["CHOICES", "StageTime", "block_stages", "predict"]
 
 CHOICES: tuple[str, ...] = ("sharded", "unsharded", "one-socket")
 
-# Kernel launches per block in the NUMA-TP path, each ending in a join of the socket groups
-# (Algorithm 4: "the launcher waits for every group to finish"). Counted from the kernels Inductor
-# emits for a GPT-2/BERT prefill layer, one per fused op group: attention = norm statistics, norm
-# apply, QKV projection (+bias), head split, QK^T, scale/mask/softmax, PV, head merge, output
-# projection, bias + residual (10); MLP = norm statistics, norm apply, up projection, activation,
-# down projection, bias + residual (6); LM head = one projection. 16 per layer, inside the ~15-30
-# a fused Inductor layer produces. One more join closes each all-reduce.
-_LAUNCHES = {"attention": 10, "mlp": 6, "lm_head": 1}
 _MIB = 1 << 20
 
 
@@ -126,7 +123,10 @@ def predict(block: BlockShape, profile: MachineProfile, choice: str, *, sockets:
             f"pass sockets from 1 to {profile.sockets}"
         )
     local = profile.local_bw_gbs * 1e9
+    stalls = profile.remote_bw_gbs is not None and n > 1  # another node to stall on
     remote = (profile.remote_bw_gbs or profile.local_bw_gbs) * 1e9
+    if stalls and profile.remote_core_gbs:
+        remote = min(remote, profile.cores_per_socket * profile.remote_core_gbs * 1e9)
     total = 0.0
     for st in block_stages(block, n):
         if choice == "sharded":
@@ -141,16 +141,21 @@ def predict(block: BlockShape, profile: MachineProfile, choice: str, *, sockets:
         else:
             # Every socket touches all weight columns; activations are split over the sockets.
             w, a = _traffic(st, block, profile, st.weight_bytes or st.act_bytes / n)
-            if n == 1:
-                mem = (w + a) / local
-            else:
-                far = (w / n + a / n * (n - 1) / n) / remote + (a / n / n) / local
-                node0 = (w + a / n) / local
-                mem = max(far, node0)
             comp = _compute(st, block, profile, n)
+            if n == 1:
+                total += max((w + a) / local, comp)
+                continue
+            far = (w / n + a / n * (n - 1) / n) / remote  # one non-zero socket's remote reads
+            near = (a / n / n) / local                      # and its local ones
+            node0 = (w + a / n) / local                      # node 0's controller serving every socket
+            if stalls:
+                total += max(max(comp, near) + far, node0)
+            else:
+                total += max(far + near, node0, comp)
+            continue
         total += max(mem, comp)
     if choice == "sharded" and n > 1:
-        total += (_LAUNCHES[block.kind] + 1) * profile.barrier_us * 1e-6
+        total += profile.barrier_us * 1e-6
         if block.kind == "lm_head":
             total += block.tokens * block.inner * block.itemsize * (n - 1) / n / remote
         else:

@@ -48,10 +48,15 @@ class MachineProfile:
     remote_bw_gbs: float | None
     """Sustained bandwidth of one socket reading another node's DRAM, GB/s; None where there is no
     other node to measure (remote reads are then costed as local)."""
+    remote_core_gbs: float | None = None
+    """Bandwidth one core sustains reading another node's DRAM, GB/s: the lines it keeps in flight x 64 B
+    over the remote latency (Little's law). A socket's remote rate is the lesser of this x its cores and
+    ``remote_bw_gbs``; None where not measured (no cap beyond the link)."""
     l3_mib: float
     """Last-level cache of one socket, MiB."""
     barrier_us: float
-    """One synchronisation of the per-socket thread groups (a kernel launch's join), microseconds."""
+    """One synchronisation of the per-socket thread groups (the join that closes a sharded block), in
+    microseconds."""
     allreduce_ns_per_byte: float
     """Cost of the ``sockets``-way all-reduce per byte of the reduced activation, ns."""
     gemm_table: tuple[tuple[str, int, int, int, float], ...] = ()
