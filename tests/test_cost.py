@@ -115,7 +115,7 @@ def test_predict_paper_prints_every_finding():
     rows = json.loads(out.stdout)
     assert [(r["platform"], r["key"]) for r in rows] == [(f.platform, f.key) for f in paper.findings()]
     text = _cli("predict", "--paper", timeout=120)
-    assert "checked figures hold" in text.stdout and "crosses 1.0" in text.stdout
+    assert "checked figures hold" in text.stdout and "reaches 1.0" in text.stdout
     bad = _cli("predict", "--paper", "--seq", "128", timeout=60)
     assert bad.returncode != 0 and "--paper" in bad.stderr and "--seq" in bad.stderr
 

@@ -54,16 +54,18 @@ def predict_model(
 
 
 def _builtin_for(sockets: int) -> str:
-    return "haswell-ex-4s" if sockets >= 4 else "haswell-2s"
+    # Cascade Lake's gains are the smaller of the two 2-socket profiles' (numatp predict --paper)
+    return "haswell-ex-4s" if sockets >= 4 else "cascadelake-2s"
 
 
 def default_profile(topology: Any) -> tuple[MachineProfile, str]:
     """This host's saved ``numatp calibrate`` profile if there is one, else a conservative estimate.
 
-    The estimate is the built-in Haswell profile with the topology's socket count (4-socket one for
-    4 or more sockets), which predicts the smallest gains; on a virtual topology (one memory node)
-    remote bandwidth is dropped, so sharding wins nothing but pays its synchronisation. Returns the
-    profile and a phrase saying which it is, for ``Decision.reason``.
+    The estimate is a built-in profile with the topology's socket count: for up to 3 sockets the
+    2-socket Cascade Lake one, whose predicted gains are the smaller of the two 2-socket platforms', for
+    4 or more the 4-socket Haswell-EX one. On a virtual topology (one memory node) remote bandwidth is
+    dropped, so sharding wins nothing but pays its synchronisation. Returns the profile and a phrase
+    saying which it is, for ``Decision.reason``.
     """
     path = default_profile_path()
     if path.is_file():
