@@ -10,7 +10,7 @@ and where the model's two predictions are within 15% of each other times both pl
 JSON line per configuration and a table; the worst ratio auto / min(always, never) is the figure of merit
 (the cost model's target: never more than 5% slower than the better fixed policy). Two more columns split
 it: the fixed policy that runs auto's plan over the best (what auto's choice cost), and auto over that
-policy (two copies of one plan: the machine's run-to-run noise).
+policy (the gap between two copies of one plan).
 
     python benchmarks/auto_policy.py --models gpt2 bert-small --batches 1 4 --seqs 128 512
 """
@@ -67,6 +67,7 @@ def child(model_name: str, batch: int, seq: int, sockets: int, warmup: int, iter
                     times[policy].append(time.perf_counter() - t0)
     med = {p: statistics.median(v) for p, v in times.items()}
     best = min(med["always"], med["never"])
+    same = "always" if decision["sharded_blocks"] else "never"  # the fixed policy whose plan auto kept
     return {
         "model": model_name, "batch": batch, "seq": seq, "sockets": sockets,
         "cpus": len(os.sched_getaffinity(0)), "iters": iters, "median_s": med,
@@ -74,11 +75,11 @@ def child(model_name: str, batch: int, seq: int, sockets: int, warmup: int, iter
         "compile_s": compile_s, "auto": decision,
         "auto_vs_best": med["auto"] / best,
         "best_fixed": "always" if med["always"] < med["never"] else "never",
-        # the fixed policy whose plan auto kept: auto / that one is run-to-run noise between two copies
-        # of one plan; that policy / best is what auto's choice cost
-        "auto_plan": "always" if decision["sharded_blocks"] else "never",
-        "auto_vs_same_plan": med["auto"] / med["always" if decision["sharded_blocks"] else "never"],
-        "choice_vs_best": med["always" if decision["sharded_blocks"] else "never"] / best,
+        # auto / that policy: the gap between two copies of one plan; that policy / best: what auto's
+        # choice cost
+        "auto_plan": same,
+        "auto_vs_same_plan": med["auto"] / med[same],
+        "choice_vs_best": med[same] / best,
     }
 
 

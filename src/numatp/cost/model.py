@@ -133,27 +133,23 @@ def predict(block: BlockShape, profile: MachineProfile, choice: str, *, sockets:
             # Replicated stages (norm) run in full on every socket; the rest is split N ways.
             split = n if st.flops or st.weight_bytes else 1
             w, a = _traffic(st, block, profile, st.weight_bytes / n if st.weight_bytes else st.per_socket_bytes)
-            mem = (w + a) / split / local
-            comp = _compute(st, block, profile, n)
+            total += max((w + a) / split / local, _compute(st, block, profile, n))
         elif choice == "one-socket":
             w, a = _traffic(st, block, profile, st.weight_bytes or st.act_bytes)
-            mem, comp = (w + a) / local, _compute(st, block, profile, 1)
+            total += max((w + a) / local, _compute(st, block, profile, 1))
         else:
             # Every socket touches all weight columns; activations are split over the sockets.
             w, a = _traffic(st, block, profile, st.weight_bytes or st.act_bytes / n)
             comp = _compute(st, block, profile, n)
-            if n == 1:
-                total += max((w + a) / local, comp)
-                continue
             far = (w / n + a / n * (n - 1) / n) / remote  # one non-zero socket's remote reads
             near = (a / n / n) / local                      # and its local ones
             node0 = (w + a / n) / local                      # node 0's controller serving every socket
-            if stalls:
+            if n == 1:
+                total += max((w + a) / local, comp)
+            elif stalls:
                 total += max(max(comp, near) + far, node0)
             else:
                 total += max(far + near, node0, comp)
-            continue
-        total += max(mem, comp)
     if choice == "sharded" and n > 1:
         total += profile.barrier_us * 1e-6
         if block.kind == "lm_head":
