@@ -8,7 +8,6 @@ a mode, its latest ``"ok"`` line counts.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -81,15 +80,11 @@ def speedups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, floa
     }
 
 
-def _geomean(values: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values))
-
-
 def policy_table(records: Iterable[Mapping[str, Any]]) -> list[PolicyRow]:
     """Table IV: per mode, geometric mean and median speedup, points slower than the baseline, and
     how many points were compared. Modes without a common point are left out."""
     return [
-        PolicyRow(mode, _geomean(list(s.values())), statistics.median(s.values()),
+        PolicyRow(mode, statistics.geometric_mean(list(s.values())), statistics.median(s.values()),
                   sum(v < 1.0 for v in s.values()), len(s))
         for mode, s in speedups(records).items()
         if s
@@ -105,7 +100,7 @@ def scaling(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[int, float]]
         for point, value in s.items():
             by_seq.setdefault(point.seq, []).append(value)
         if by_seq:
-            series[mode] = {seq: _geomean(v) for seq, v in sorted(by_seq.items())}
+            series[mode] = {seq: statistics.geometric_mean(v) for seq, v in sorted(by_seq.items())}
     return series
 
 

@@ -76,10 +76,6 @@ def sweep(profile: str | MachineProfile) -> Sweep:
             for m in MODELS for b in BATCHES for s in SEQS}
 
 
-def _geo(xs: list[float]) -> float:
-    return math.exp(sum(map(math.log, xs)) / len(xs))
-
-
 def _within(x: float, ref: float, tol: float = 0.25) -> bool:
     return (1 - tol) * ref <= x <= (1 + tol) * ref
 
@@ -94,11 +90,12 @@ def findings(sweeps: Mapping[str, Sweep] | None = None) -> list[Finding]:
     def speedups(runs: Sweep, seqs: tuple[int, ...] = SEQS) -> list[float]:
         return [r["speedup"] for (_, _, s), r in runs.items() if s in seqs]
 
-    per_seq = {s: _geo(speedups(ex, (s,))) for s in SEQS}
+    per_seq = {s: statistics.geometric_mean(speedups(ex, (s,))) for s in SEQS}
     long = tuple(s for s in SEQS if s >= 2048)
     bert = ex[("bert-small", 2, 4096)]
-    one = _geo([r["unsharded"] / r["one-socket"] for r in cas.values()])
-    has_geo, cas_geo, long_geo = _geo(speedups(has)), _geo(speedups(cas)), _geo(speedups(ex, long))
+    one = statistics.geometric_mean([r["unsharded"] / r["one-socket"] for r in cas.values()])
+    has_geo, cas_geo, long_geo = (statistics.geometric_mean(speedups(r, q))
+                                  for r, q in ((has, SEQS), (cas, SEQS), (ex, long)))
 
     def compare(key: str, platform: str, claim: str, paper: float, predicted: float) -> Finding:
         """A figure reported for comparison only: no rule."""
