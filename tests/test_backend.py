@@ -128,6 +128,33 @@ def test_workers_are_pinned_and_sized():
         assert inference
 
 
+def test_workers_keep_their_thread_count_when_another_group_starts():
+    # ATen copies its process-wide thread count into a thread at the thread's first parallel loop; a
+    # socket worker whose first loop came after a wider group had started took that group's count
+    topo = Topology.virtual(sockets=2)
+    whole = topo.whole()
+    with SocketGroup(topo) as sockets, SocketGroup(whole) as everything:
+        assert everything.run(lambda r: torch.get_num_threads()) == [len(whole.sockets[0].cpus)]
+        assert sockets.run(lambda r: torch.get_num_threads()) == [len(s.cpus) for s in topo.sockets]
+
+
+def test_group_leaves_the_callers_thread_count_to_threads_started_later():
+    topo = Topology.virtual(sockets=2)
+    before = torch.get_num_threads()
+    wide = len(topo.whole().sockets[0].cpus)
+    torch.set_num_threads(wide)
+    try:
+        with SocketGroup(topo):
+            seen = []
+            t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            t.start()
+            t.join()
+        assert seen == [wide] and torch.get_num_threads() == wide
+        assert wide > max(len(s.cpus) for s in topo.sockets)  # else this could not tell the two apart
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_concurrent_calls_are_a_clear_error_or_correct():
     group = SocketGroup(Topology.virtual(sockets=2))
     started = threading.Event()

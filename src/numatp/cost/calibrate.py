@@ -1,8 +1,8 @@
 """Measure a ``MachineProfile`` of this host: GEMM rate, bandwidth, barrier and all-reduce per socket.
 
 Every measurement runs in a worker thread pinned (``os.sched_setaffinity``) to one socket's CPUs,
-with ``torch.set_num_threads(len(cpus))`` set inside that thread after pinning, so torch's pool
-for that thread stays on the socket. Buffers are placed with ``numa_clone`` on the socket's node.
+with ``len(cpus)`` torch threads set inside that thread after pinning (``numatp.runtime.group.pin_threads``),
+so torch's pool for that thread stays on the socket. Buffers are placed with ``numa_clone`` on the socket's node.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from numatp.cost.profile import MachineProfile
+from numatp.runtime.group import callers_threads, pin_threads
 from numatp.topology import Topology
 
 __all__ = ["measure_profile", "measure_gemm_ceilings", "remeasure_gemm_table"]
@@ -31,15 +32,15 @@ def _pinned(cpus: tuple[int, ...], fn: Callable[[], T]) -> T:
 
     def body() -> None:
         try:
-            os.sched_setaffinity(0, cpus)  # 0 = the calling thread on Linux
-            torch.set_num_threads(len(cpus))
+            pin_threads(cpus)
             box["value"] = fn()
         except BaseException as e:  # re-raised in the caller, with its traceback
             box["error"] = e
 
     t = threading.Thread(target=body, name=f"numatp-calibrate-{cpus[0]}")
-    t.start()
-    t.join()
+    with callers_threads():
+        t.start()
+        t.join()
     if "error" in box:
         raise box["error"]
     return box["value"]

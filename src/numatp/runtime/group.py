@@ -4,6 +4,15 @@ Order matters inside each worker (measured): pin the thread to its socket's CPUs
 intra-op thread count (OpenMP workers created afterwards inherit the pin), then bind the thread's memory
 policy to the socket's node, then run anything parallel. Thread count and grad mode are per thread, so
 each worker enters ``torch.inference_mode()`` itself.
+
+ATen keeps one process-wide thread count beside the per-thread OpenMP and MKL counts: every
+``torch.set_num_threads`` overwrites it, and each thread copies it into its own counts once, at its
+first ATen parallel loop. A worker whose first such loop came after another group's worker had set a
+different count took that count (measured: the 1-CPU socket workers of ``policy="auto"`` ran with 2
+OpenMP threads each, both on their one CPU, 4-7% slower, once the 2-CPU unsharded program's worker
+had started). So :func:`pin_threads` runs that one-time copy before setting the thread's own count,
+and a group puts the process-wide count back to its caller's once its workers are up
+(:func:`callers_threads`), so that threads the caller starts later do not inherit a socket's count.
 """
 
 from __future__ import annotations
@@ -13,14 +22,14 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from numatp.topology import Topology
 
-__all__ = ["SocketGroup", "SocketError", "GroupAborted"]
+__all__ = ["SocketGroup", "SocketError", "GroupAborted", "callers_threads", "pin_threads"]
 
 
 class SocketError(RuntimeError):
@@ -32,6 +41,24 @@ class GroupAborted(RuntimeError):
 
 
 _STOP = object()
+
+
+def pin_threads(cpus: tuple[int, ...] | list[int]) -> None:
+    """Pin the calling thread to ``cpus`` and give it ``len(cpus)`` intra-op threads, for good."""
+    os.sched_setaffinity(0, cpus)  # 0 = the calling thread on Linux
+    torch.get_num_threads()  # ATen's once-per-thread copy of the process-wide count, done now, not later
+    torch.set_num_threads(len(cpus))
+
+
+@contextlib.contextmanager
+def callers_threads() -> Iterator[None]:
+    """Put ATen's process-wide thread count back to the calling thread's on exit: the threads started
+    inside (each setting its own count) overwrite it."""
+    count = torch.get_num_threads()  # also runs the caller's own once-per-thread copy before they start
+    try:
+        yield
+    finally:
+        torch.set_num_threads(count)
 
 
 class _Shared:
@@ -52,8 +79,7 @@ class _Shared:
 def _worker(shared: _Shared, rank: int) -> None:
     sock = shared.topology.sockets[rank]
     try:
-        os.sched_setaffinity(0, sock.cpus)
-        torch.set_num_threads(len(sock.cpus))
+        pin_threads(sock.cpus)
         ctx = contextlib.ExitStack()
         if shared.bind:
             from numatp.placement import membind
@@ -104,10 +130,11 @@ class SocketGroup:
             threading.Thread(target=_worker, args=(shared, r), name=f"numatp-{id(shared):x}-socket{r}", daemon=True)
             for r in range(self.size)
         ]
-        for t in self._threads:
-            t.start()
-        self._finalizer = weakref.finalize(self, _stop, shared, self._threads)
-        shared.ready.wait()
+        with callers_threads():
+            for t in self._threads:
+                t.start()
+            self._finalizer = weakref.finalize(self, _stop, shared, self._threads)
+            shared.ready.wait()
         if shared.setup_errors:
             self.close()
             err = shared.setup_errors[0]
