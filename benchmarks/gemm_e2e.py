@@ -83,7 +83,7 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, m
             modes[name] = fn
             backend = getattr(fn, "_numatp_backend", None)
             if backend is not None and backend.gemm is not None:
-                rows = backend.gemm.report()
+                rows = backend.gemm_report()
                 providers[name] = sorted({f"{r['m']}x{r['k']}x{r['n']}:{r['provider']}" for r in rows})
         times: dict[str, list[float]] = {k: [] for k in modes}
         for i in range(warmup + iters):

@@ -45,9 +45,9 @@ def test_runtime_equals_eager(family, dtype, sockets):
     uncompiled here (Inductor is covered below)."""
     *_, compiled, expected, actual = _eager_and_compiled(family, dtype, sockets, "eager")
     assert_close_to_eager(actual, expected, f"{family} {dtype} {sockets} sockets")
-    gemm = compiled._numatp_backend.gemm
-    assert gemm is not None and gemm.report()  # on by default: every weight matmul got a measured choice
-    assert all(r["gflops"] for r in gemm.report())
+    rows = compiled._numatp_backend.gemm_report()
+    assert rows  # on by default: every weight matmul got a measured choice
+    assert all(r["gflops"] for r in rows)
 
 
 @pytest.mark.parametrize("sockets", [1, 2])
@@ -209,7 +209,7 @@ def test_unsharded_policies_run_on_all_cores(policy, gemm):
     assert group.run(lambda r: (sorted(os.sched_getaffinity(0)), torch.get_num_threads())) == [
         (sorted(topo.allowed_cpus), len(topo.allowed_cpus))]
     # every weight matmul of the one program got a measured provider, as in sharded programs
-    rows = variant.executor.gemm.report()
+    rows = backend.gemm_report()
     assert rows and all(r["rank"] == 0 and r["threads"] == len(topo.allowed_cpus) and r["gflops"] > 0
                         for r in rows)
 
@@ -249,6 +249,15 @@ def test_auto_measures_both_plans_when_close(gemm):
             assert variant.executor.group.size == 1 and whole_store.mark()
         else:
             assert variant.baseline is not None
+    if gemm:
+        # the GEMM report and the workers' thread counts are those of the kept program, whichever was
+        # built last
+        kept = variant.executor.group
+        cpus = [len(s.cpus) for s in kept.topology.sockets]
+        rows = backend.gemm_report()
+        assert rows and {r["rank"] for r in rows} == set(range(kept.size))
+        assert all(r["threads"] == cpus[r["rank"]] for r in rows)
+        assert kept.run(lambda r: torch.get_num_threads()) == cpus
 
 
 def test_auto_trusts_the_model_when_predictions_are_far_apart():

@@ -77,12 +77,13 @@ def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_pa
 
 
 def _check_forced(backend, provider):
-    rows = backend.gemm.report()
+    rows = backend.gemm_report()
     assert rows and {r["provider"] for r in rows} == {provider}
     assert backend.gemm.table.measured == 0  # forced: nothing measured
     if PROVIDERS[provider].packed:
-        # every rewritten weight is held once, as its packed operand
-        assert backend.weights.report()["packed_tensors"] == len(rows)
+        # every rewritten weight is held once, as its packed operand, however many input shapes the
+        # model was compiled for
+        assert backend.weights.report()["packed_tensors"] == len({(r["rank"], r["weight"]) for r in rows})
 
 
 def test_cache_written_then_reused(tmp_path):
@@ -96,21 +97,21 @@ def test_cache_written_then_reused(tmp_path):
     torch._dynamo.reset()
     second = _run("gpt2", torch.float32, 2, opts)
     assert second.gemm.table.measured == 0
-    assert [r["provider"] for r in second.gemm.report()] == [r["provider"] for r in first.gemm.report()]
+    assert [r["provider"] for r in second.gemm_report()] == [r["provider"] for r in first.gemm_report()]
 
 
 def test_choice_is_keyed_by_threads(tmp_path):
     opts = GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path))
     two = _run("gpt2", torch.float32, 2, opts)          # one CPU (thread) per socket
-    threads = {r["threads"] for r in two.gemm.report()}
+    threads = {r["threads"] for r in two.gemm_report()}
     torch._dynamo.reset()
     one = _run("gpt2", torch.float32, 1, opts)          # every CPU on one socket
-    if {r["threads"] for r in one.gemm.report()} == threads:
+    if {r["threads"] for r in one.gemm_report()} == threads:
         pytest.skip("this machine has one usable CPU: both topologies run one thread")
     assert one.gemm.table.measured > 0
     keys = json.loads(one.gemm.table.path.read_text())["rates"]
     assert {k.rsplit("|", 1)[1] for k in keys} == {f"t{t}" for t in threads} | {
-        f"t{r['threads']}" for r in one.gemm.report()}
+        f"t{r['threads']}" for r in one.gemm_report()}
 
 
 def test_table_is_per_cpu(tmp_path, monkeypatch):
@@ -134,7 +135,7 @@ def test_ceilings_best_rate_per_provider(tmp_path):
 def test_aten_winner_leaves_graph_unchanged(tmp_path):
     t = GemmTable(tmp_path)
     backend = _run("gpt2", torch.float32, 2, GemmOptions(force="aten", cache_dir=str(tmp_path)))
-    assert {r["provider"] for r in backend.gemm.report()} == {"aten"}
+    assert {r["provider"] for r in backend.gemm_report()} == {"aten"}
     assert backend.weights.report()["packed_tensors"] == 0
     assert not t.entries
 
@@ -201,7 +202,7 @@ def test_remeasure_option_replaces_rates_from_the_table(tmp_path):
     _, shapes = _poisoned_table(tmp_path)
     trusted = _run("gpt2", torch.float32, 2, GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path)))
     assert trusted.gemm.table.measured == 0
-    assert {r["provider"] for r in trusted.gemm.report()} == {"onednn"}   # what the table says
+    assert {r["provider"] for r in trusted.gemm_report()} == {"onednn"}   # what the table says
     torch._dynamo.reset()
     again = _run("gpt2", torch.float32, 2,
                  GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path), remeasure=True))
@@ -243,7 +244,9 @@ def test_inductor_template_provider_equals_eager(family, dtype, sockets, tmp_pat
     backend = _run(family, dtype, sockets, GemmOptions(force="inductor_cpp", cache_dir=str(tmp_path)), seqs=(16, 8))
     _check_forced(backend, "inductor_cpp")
     # the template really generated the kernels (Inductor counts each templated kernel it emits)
-    assert counters["inductor"]["cpp_templated_kernel_counter"] >= len(backend.gemm.report())
+    # (one per weight: the second input shape reuses the kernels compiled for the first)
+    weights = {(r["rank"], r["weight"]) for r in backend.gemm_report()}
+    assert counters["inductor"]["cpp_templated_kernel_counter"] >= len(weights)
 
 
 def test_inductor_template_keeps_no_plain_weight():
@@ -265,7 +268,7 @@ def test_inductor_template_is_measured_only_when_asked(tmp_path):
     assert "inductor_cpp" not in GemmOptions().providers
     opts = GemmOptions(providers=("aten", "inductor_cpp"), cache_dir=str(tmp_path))
     backend = _run("gpt2", torch.float32, 1, opts)
-    rows = backend.gemm.report()
+    rows = backend.gemm_report()
     assert rows and all(r["rates"]["inductor_cpp"] > 0 and r["rates"]["aten"] > 0 for r in rows)
     for r in rows:
         best = max(r["rates"], key=r["rates"].get)

@@ -19,7 +19,7 @@ from numatp.backend.weights import WeightStore
 from numatp.plan import localize, plan_graph, trace_aten
 from numatp.plan.schema import Plan
 from numatp.runtime.executor import ShardedExecutor
-from numatp.runtime.gemm_pass import GemmOptions, GemmSelector
+from numatp.runtime.gemm_pass import GemmOptions, GemmSelector, report_rows
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import SegmentCompiler
 from numatp.topology import Topology
@@ -121,6 +121,12 @@ class NumaTPBackend:
     @property
     def plans(self) -> list[Plan]:
         return [v.plan for g in self.graphs for v in g.variants.values()]
+
+    def gemm_report(self) -> list[dict[str, Any]]:
+        """The GEMM provider of every weight matmul in the programs this backend runs (not in those it
+        built, measured and dropped), as ``report_rows`` gives them, each with its ``graph`` index."""
+        return [dict(row, graph=i) for i, g in enumerate(self.graphs) for v in g.variants.values()
+                if v.executor is not None for row in report_rows(v.executor.gemm_choices)]
 
 
 class _CompiledGraph:

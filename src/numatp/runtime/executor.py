@@ -17,7 +17,7 @@ import torch.fx
 
 from numatp.plan.ops import COLLECTIVES
 from numatp.plan.reference import place
-from numatp.runtime.gemm_pass import GemmSelector, GemmStep, stand_in
+from numatp.runtime.gemm_pass import GemmChoice, GemmSelector, GemmStep, stand_in
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import Collective, Segment, SegmentCompiler, split_program
 
@@ -67,6 +67,7 @@ class ShardedExecutor:
         self.programs: list[SocketProgram] = []
         self.sync_seconds = [0.0] * group.size
         self.swaps: list[dict[int, tuple]] = []
+        self.gemm_choices: list[GemmChoice] = []   # per rank, the providers this executor's programs got
 
     def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]],
               weights: list[set[int]] | None = None) -> None:
@@ -77,6 +78,7 @@ class ShardedExecutor:
         self.swaps = [{} for _ in local_gms]
         if self.gemm is not None and weights is not None:
             local_gms, local_args, self.swaps = self.gemm.apply(self.group, local_gms, local_args, weights)
+            self.gemm_choices = list(self.gemm.choices)
         for rank, (gm, args) in enumerate(zip(local_gms, local_args)):
             if self.group.size == 1:
                 gm = strip_collectives(gm)

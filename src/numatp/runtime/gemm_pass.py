@@ -234,15 +234,20 @@ class GemmSelector:
             self.table.put(merged)
 
     def report(self) -> list[dict[str, Any]]:
-        """Per rank and weight: the shape, the chosen provider and its measured rate (for ``explain``)."""
-        rows = []
-        for c in self.choices:
-            for ph, prov in c.providers.items():
-                s = c.shapes[ph]
-                rows.append({"rank": c.rank, "weight": ph, "m": s.m, "k": s.k, "n": s.n, "dtype": s.dtype,
-                             "threads": s.threads, "provider": prov, "gflops": c.rates[ph].get(prov),
-                             "rates": c.rates[ph]})
-        return rows
+        """The rows of :func:`report_rows` for the last programs this selector rewrote or previewed."""
+        return report_rows(self.choices)
+
+
+def report_rows(choices: list[GemmChoice]) -> list[dict[str, Any]]:
+    """Per rank and weight: the shape, the chosen provider and its measured rate (for ``explain``)."""
+    rows = []
+    for c in choices:
+        for ph, prov in c.providers.items():
+            s = c.shapes[ph]
+            rows.append({"rank": c.rank, "weight": ph, "m": s.m, "k": s.k, "n": s.n, "dtype": s.dtype,
+                         "threads": s.threads, "provider": prov, "gflops": c.rates[ph].get(prov),
+                         "rates": c.rates[ph]})
+    return rows
 
 
 def stand_in(t: Any) -> Any:
