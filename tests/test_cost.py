@@ -99,7 +99,6 @@ def test_findings_rules_can_fail_and_pass():
     found = {(f.platform, f.key): f for f in paper.findings(good)}
     assert all(f.holds for f in found.values() if f.holds is not None)
     assert 1024 < found["haswell-ex-4s", "crossover"].predicted < 2048
-    # swap the platforms' gains and shift the crossing: the same rules now fail
     # Haswell below Cascade Lake, one slow cell, shift the crossing, halve the single socket: those rules fail
     bad = {"haswell-2s": _fake_sweep(lambda m, b, s: 1.3),
            "cascadelake-2s": _fake_sweep(lambda m, b, s: 0.99 if s == 128 else 1.5, one_socket=0.3),

@@ -136,6 +136,7 @@ def measure_profile(
     l3 = _l3_mib(s0.cpus[0])
     fp32 = max(r[4] for r in rows if r[0] == "float32")
     how = f"measured by numatp calibrate{' --quick' if quick else ''} on {_socket.gethostname()}"
+    alone = "not measurable on a single-node machine (virtual topology or one NUMA node)"
     return MachineProfile(
         name=_socket.gethostname(),
         sockets=n,
@@ -155,16 +156,9 @@ def measure_profile(
             "gemm_table": f"{how}: torch.mm of n x n x n, best of {repeat}, one socket's threads",
             "peak_gflops": f"best measured GEMM rate (fp32 {fp32} GFLOP/s), not the hardware peak",
             "local_bw_gbs": f"{how}: torch.sum over a {buf_mib} MiB buffer numa_clone'd to node {s0.node}",
-            "remote_bw_gbs": (
-                f"{how}: socket 0 summing a buffer on another node"
-                if remote is not None
-                else "not measurable on a single-node machine (virtual topology or one NUMA node)"
-            ),
-            "remote_core_gbs": (
-                f"{how}: one CPU of socket 0 summing the same buffer on another node"
-                if remote_core is not None
-                else "not measurable on a single-node machine (virtual topology or one NUMA node)"
-            ),
+            "remote_bw_gbs": f"{how}: socket 0 summing a buffer on another node" if remote is not None else alone,
+            "remote_core_gbs": (f"{how}: one CPU of socket 0 summing the same buffer on another node"
+                                if remote_core is not None else alone),
             "barrier_us": f"{how}: threading.Barrier among {n} pinned threads, mean round",
             "allreduce_ns_per_byte": f"{how}: sum of {n} partial buffers into a local one, per byte of the result",
             "l3_mib": "sysfs cache index3 size of CPU " + str(s0.cpus[0]),
