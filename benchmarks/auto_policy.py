@@ -54,7 +54,7 @@ def child(model_name: str, batch: int, seq: int, sockets: int, warmup: int, iter
             torch.testing.assert_close(out, expected, atol=2e-4, rtol=1e-3)
             fns[policy] = fn
             if policy == "auto":
-                (plan,) = fn._numatp_backend.plans
+                (plan,) = numatp.plans(fn)
                 blocks = [b for b in plan.blocks if b.kind != "lm_head"]
                 decision = {"sharded_blocks": sum(b.sharded for b in blocks), "blocks": len(blocks),
                             "reason": blocks[0].reason if blocks else ""}

@@ -81,7 +81,7 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, m
                 fn(**inputs)
                 first_s[name] = time.perf_counter() - t0
             modes[name] = fn
-            backend = getattr(fn, "_numatp_backend", None)
+            backend = numatp.backend.backend_of(fn) if name.startswith("numatp") else None
             if backend is not None and backend.gemm is not None:
                 rows = backend.gemm_report()
                 providers[name] = sorted({f"{r['m']}x{r['k']}x{r['n']}:{r['provider']}" for r in rows})

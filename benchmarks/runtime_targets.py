@@ -57,7 +57,7 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, f
         for _ in range(warmup):
             for fn in modes.values():
                 fn(**inputs)
-        backend = modes["numatp-2"]._numatp_backend
+        backend = numatp.backend.backend_of(modes["numatp-2"])
         for g in backend.graphs:
             for v in g.variants.values():
                 v.executor.sync_seconds[:] = [0.0] * len(v.executor.sync_seconds)

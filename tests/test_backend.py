@@ -11,7 +11,7 @@ import torch
 
 import numatp
 from numatp import zoo
-from numatp.backend import NumaTPBackend, placement_report
+from numatp.backend import NumaTPBackend, backend_of, placement_report
 from numatp.runtime import SocketError, SocketGroup
 from numatp.topology import Topology
 from tests.helpers import assert_close_to_eager, shared_cpu_topology
@@ -45,7 +45,7 @@ def test_runtime_equals_eager(family, dtype, sockets):
     uncompiled here (Inductor is covered below)."""
     *_, compiled, expected, actual = _eager_and_compiled(family, dtype, sockets, "eager")
     assert_close_to_eager(actual, expected, f"{family} {dtype} {sockets} sockets")
-    rows = compiled._numatp_backend.gemm_report()
+    rows = backend_of(compiled).gemm_report()
     assert rows  # on by default: every weight matmul got a measured choice
     assert all(r["gflops"] for r in rows)
 
@@ -56,7 +56,7 @@ def test_inductor_segments_equal_eager(sockets):
     model, inputs, compiled, expected, actual = _eager_and_compiled("gpt2", torch.float32, sockets, "inductor",
                                                                     gemm=False)
     assert_close_to_eager(actual, expected, f"gpt2 inductor {sockets} sockets")
-    backend = compiled._numatp_backend
+    backend = backend_of(compiled)
     if sockets == 1:
         assert backend.compiler.compiled == 1  # no collectives: one segment
     else:
@@ -192,7 +192,7 @@ def test_unsharded_policies_run_on_all_cores(policy, gemm):
         # auto_measure=0: the cost model's choice alone (test_auto_measures_both_plans_when_close below)
         compiled = numatp.compile(model, sockets=topo, policy=policy, mode="eager", gemm=gemm, auto_measure=0)
         assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, policy)
-    backend = compiled._numatp_backend
+    backend = backend_of(compiled)
     (plan,) = backend.plans
     decided = [b for b in plan.blocks if b.kind != "lm_head"]
     if policy == "auto":
@@ -225,7 +225,7 @@ def test_auto_measures_both_plans_when_close(gemm):
         compiled = numatp.compile(model, sockets=topo, policy="auto", mode="eager", gemm=gemm, auto_measure=10.0)
         assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto, measured")
         assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto, second call")
-    backend = compiled._numatp_backend
+    backend = backend_of(compiled)
     (variant,) = [v for g in backend.graphs for v in g.variants.values()]
     decided = [b for b in variant.plan.blocks if b.kind != "lm_head"]
     notes = {b.reason.rsplit("; ", 1)[-1] for b in decided}

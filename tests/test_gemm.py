@@ -11,6 +11,7 @@ import numatp
 from numatp import zoo
 from numatp.runtime import gemm as gemm_mod
 from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, ceilings, measure
+from numatp.backend import backend_of
 from numatp.runtime.gemm_pass import GemmOptions
 from numatp.topology import Topology
 from tests.helpers import assert_close_to_eager
@@ -38,7 +39,7 @@ def _run(family, dtype, sockets, options, seqs=(16,), mode="eager"):
         for seq in seqs:
             inputs = zoo.example_inputs(model, batch=2, seq=seq)
             assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, f"{family} seq {seq}")
-    return compiled._numatp_backend
+    return backend_of(compiled)
 
 
 ALL_CASES = [(torch.float32, "onednn"), (torch.float32, "onednn_packed"), (torch.float32, "mkl_packed"),

@@ -9,6 +9,7 @@ import torch
 
 import numatp
 from numatp import zoo
+from numatp.backend import backend_of
 
 pytestmark = pytest.mark.numa
 
@@ -27,7 +28,7 @@ def test_compiled_tiny_gpt2_places_shards_and_matches_eager(topology):
     for rank in report["ranks"]:
         assert set(rank["pages"]) == {rank["node"]}, f"socket {rank['socket']}: pages {rank['pages']}"
     assert report["local_fraction"] == 1.0
-    group = compiled._numatp_backend.group
+    group = backend_of(compiled).group
     cpus = group.run(lambda r: sorted(os.sched_getaffinity(0)))
     for rank, seen in enumerate(cpus):
         node_cpus = topology.node(topology.sockets[rank].node).cpus

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         for _ in range(args.warmup):
             base(**inputs)
             tp(**inputs)
-        backend = tp._numatp_backend
+        backend = numatp.backend.backend_of(tp)
         for i in range(args.iters):
             base_t += _time(base, inputs, 0, 1)
             tp_t += _time(tp, inputs, 0, 1)

@@ -3,11 +3,14 @@
 Each worker runs its socket's segments on its own weight shards. An all-reduce posts the worker's
 partial sum, waits at the barrier, and writes the sum of all partials (added in socket order, so every
 socket holds bit-identical replicated values) into a tensor the worker allocates, i.e. in its own node's
-memory. A value is dropped from a worker's environment after its last use.
+memory. The last socket to finish its sum drops every partial of that reduction, so a call holds at most
+the partials of the reduction in progress; a value is dropped from a worker's environment after its last
+use. ``performed`` counts the collectives the workers completed, per kind, over all calls.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +71,7 @@ class ShardedExecutor:
         self.sync_seconds = [0.0] * group.size
         self.swaps: list[dict[int, tuple]] = []
         self.gemm_choices: list[GemmChoice] = []   # per rank, the providers this executor's programs got
+        self.performed = {"all_reduce": 0, "all_gather": 0}   # collectives completed by every socket
 
     def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]],
               weights: list[set[int]] | None = None) -> None:
@@ -111,7 +115,10 @@ class ShardedExecutor:
             for s in prog.steps:
                 if isinstance(s, Collective):
                     slots[s.tag] = [None] * size
+        readers = dict.fromkeys(slots, size)   # sockets yet to read each reduction's partials
+        lock = threading.Lock()
         sync = self.sync_seconds
+        performed = self.performed
 
         def work(rank: int) -> list[Any]:
             prog = self.programs[rank]
@@ -131,6 +138,11 @@ class ShardedExecutor:
                         for p in slot[2:]:
                             total += p
                         env[step.dst] = total
+                        with lock:
+                            readers[step.tag] -= 1
+                            if not readers[step.tag]:   # every socket has its sum: the partials can go
+                                slot[:] = [None] * size
+                                performed["all_reduce"] += 1
                     else:
                         # socket 0 allocates the full tensor, every socket copies its own shard into it at
                         # once; run() returns only after every worker is done, so no second barrier
@@ -142,6 +154,10 @@ class ShardedExecutor:
                         self.group.barrier(rank)
                         place(slot[0], shard, step.dim, step.sets[rank])
                         env[step.dst] = slot[0] if rank == 0 else None
+                        with lock:
+                            readers[step.tag] -= 1
+                            if not readers[step.tag]:
+                                performed["all_gather"] += 1
                     sync[rank] += time.perf_counter() - t0
                 for k in frees:
                     env.pop(k, None)

@@ -1,0 +1,356 @@
+"""The backend object behind one compile: Dynamo graphs in, socket programs out.
+
+For each Dynamo graph and each concrete input signature the backend traces the graph to ATen, runs the
+NUMA-TP pass, makes one program per socket, places the weight shards, compiles the programs' segments
+with Inductor's C++ backend, and runs them on the socket group. A graph with symbolic sizes (``dynamic=True``,
+or Dynamo's automatic dynamic shapes after a recompile) is specialised to the concrete sizes of each call:
+one variant per input signature, the same as ``dynamic=False`` would compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from numatp.backend.options import AUTO_MEASURE, Options, resolve_topology
+from numatp.backend.weights import WeightStore
+from numatp.plan import localize, plan_graph, trace_aten
+from numatp.plan.schema import Plan
+from numatp.runtime.executor import ShardedExecutor
+from numatp.runtime.gemm_pass import GemmOptions, GemmSelector, report_rows
+from numatp.runtime.group import SocketGroup
+from numatp.runtime.segments import SegmentCompiler
+from numatp.topology import Topology
+
+__all__ = ["GEMM_DEFAULT", "NumaTPBackend", "close_call", "default_decider", "runs_unsharded"]
+
+log = logging.getLogger("numatp")
+
+
+_AUTO_ROUNDS = 3
+
+
+@dataclass
+class _Variant:
+    plan: Plan
+    executor: ShardedExecutor | None
+    bindings: list
+    build_seconds: float = 0.0
+    baseline: Callable | None = None   # nothing sharded and GEMM providers off: plain Inductor, all cores
+    weights: list[list[Any]] | None = None  # per socket: its local weights, None where a call's input goes
+
+    def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
+        """Each socket's program arguments: the weights made at build time, this call's activations."""
+        return [[args[bd.index] if w is None else w for bd, w in zip(bindings, weights)]
+                for bindings, weights in zip(self.bindings, self.weights)]
+
+    def __call__(self, *args: Any) -> Any:
+        if self.baseline is not None:
+            return self.baseline(*args)
+        return self.executor.run(self.local_args(args))
+
+
+class NumaTPBackend:
+    """A Dynamo backend bound to a topology, a policy and (optionally) the model's parameter names.
+
+    One per compile: every graph Dynamo hands it (graph breaks, recompiles) shares its socket workers,
+    its weight store and its compiled segments.
+    """
+
+    def __init__(self, topology: Topology, *, policy: str = "always", names: dict[int, str] | None = None,
+                 decide: Callable | None = None, mode: str = "inductor", strict_placement: bool = False,
+                 gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE):
+        Options(sockets=topology, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
+                auto_measure=auto_measure)   # the same checks as numatp.compile and torch.compile's options
+        self.topology = topology
+        self.policy = policy
+        self.auto_measure = float(auto_measure)
+        self.names = names
+        self.decide = decide
+        self.compiler = SegmentCompiler(mode=mode)
+        self.weights = WeightStore(topology, strict=strict_placement)
+        self.gemm = _gemm_selector(gemm)
+        self.graphs: list[_CompiledGraph] = []
+        self._group: SocketGroup | None = None
+        self._whole: tuple[SocketGroup, WeightStore] | None = None
+
+    @classmethod
+    def from_options(cls, options: Options, *, names: dict[int, str] | None = None) -> NumaTPBackend:
+        """The backend of one compile with ``options`` (the topology is resolved here)."""
+        return cls(resolve_topology(options.sockets), policy=options.policy, names=names, mode=options.mode,
+                   strict_placement=options.strict_placement, gemm=options.gemm,
+                   auto_measure=options.auto_measure)
+
+    @property
+    def group(self) -> SocketGroup:
+        """The socket workers, started on the first sharded graph."""
+        if self._group is None:
+            self._group = SocketGroup(self.topology)
+        return self._group
+
+    def whole_machine(self) -> tuple[SocketGroup, WeightStore]:
+        """One worker pinned to every CPU of the topology and a store that leaves weights where they are:
+        where an unsharded graph runs with measured GEMM providers."""
+        if self._whole is None:
+            whole = self.topology.whole()
+            self._whole = SocketGroup(whole), WeightStore(whole, place=False)
+        return self._whole
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        graph = _CompiledGraph(self, gm)
+        self.graphs.append(graph)
+        return graph
+
+    @property
+    def plans(self) -> list[Plan]:
+        """The plan of every program this backend runs: per Dynamo graph, per input signature, in build order."""
+        return [v.plan for g in self.graphs for v in g.variants.values()]
+
+    @property
+    def performed(self) -> dict[str, int]:
+        """Collectives the socket workers completed over every call, per kind (``all_reduce``, ``all_gather``)."""
+        done = {"all_reduce": 0, "all_gather": 0}
+        for g in self.graphs:
+            for v in g.variants.values():
+                if v.executor is not None:
+                    for kind, n in v.executor.performed.items():
+                        done[kind] += n
+        return done
+
+    def gemm_report(self) -> list[dict[str, Any]]:
+        """The GEMM provider of every weight matmul in the programs this backend runs (not in those it
+        built, measured and dropped), as ``report_rows`` gives them, each with its ``graph`` index."""
+        return [dict(row, graph=i) for i, g in enumerate(self.graphs) for v in g.variants.values()
+                if v.executor is not None for row in report_rows(v.executor.gemm_choices)]
+
+
+class _CompiledGraph:
+    """One Dynamo graph: a variant (plan and socket programs) per concrete input signature."""
+
+    def __init__(self, backend: NumaTPBackend, gm: torch.fx.GraphModule):
+        self.backend = backend
+        self.gm = gm
+        self.variants: dict[tuple, _Variant] = {}
+        self._lock = threading.Lock()
+        # inputs whose value the graph reads with .item(): under dynamic shapes Dynamo lifts Python floats
+        # (eps, dropout p, scaling) to 0-d tensor inputs; a variant is specialised to their values
+        self.scalars = _item_inputs(gm)
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        if self.scalars:
+            key += tuple(args[i].item() for i in self.scalars)
+        with self._lock:
+            variant = self.variants.get(key) or self._build(key, list(args))
+        return variant(*args)
+
+    def _build(self, key: tuple, args: list[Any]) -> _Variant:
+        import time
+        t0 = time.perf_counter()
+        b = self.backend
+        n = b.topology.num_sockets
+        gm = _specialise(self.gm, {i: args[i].item() for i in self.scalars}) if self.scalars else self.gm
+        ag = trace_aten(gm, args, b.names)
+        decide = None
+        if b.policy == "auto":
+            decide = b.decide or default_decider(b.topology)
+        plan = plan_graph(ag, n, policy=b.policy, decide=decide)
+        if b.policy == "auto" and close_call(plan, b.auto_measure):
+            variant = self._measure_both(plan, ag, args, t0)
+            self.variants[key] = variant
+            return variant
+        if runs_unsharded(plan, b.policy):
+            if b.gemm is None:
+                variant = _Variant(plan, None, [], time.perf_counter() - t0,
+                                   baseline=_plain(self.gm, args, b.compiler.mode))
+                log.info("numatp: policy %s keeps this graph unsharded (plain Inductor)", b.policy)
+            else:
+                variant = self._unsharded(plan, ag, args, t0)
+                log.info("numatp: policy %s keeps this graph unsharded (one program on all %d CPUs)",
+                         b.policy, len(variant.executor.group.topology.sockets[0].cpus))
+            self.variants[key] = variant
+            return variant
+        variant = self._programs(plan, ag, args, b.group, b.weights, t0)
+        self.variants[key] = variant
+        log.info("numatp: %d sockets, %d reductions, built in %.1fs", n, plan.reductions, variant.build_seconds)
+        return variant
+
+    def _unsharded(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> _Variant:
+        """One program on one socket of all CPUs: unsharded, but with the measured GEMM providers the
+        sharded programs get, so that the choice between the two compares like with like."""
+        group, store = self.backend.whole_machine()
+        plan_graph(ag, 1, policy="never")
+        return self._programs(plan, ag, args, group, store, t0)
+
+    def _measure_both(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> _Variant:
+        """policy "auto" where the model's two predictions are close: build the graph sharded and
+        unsharded, time both on this call's inputs (one untimed call each, then alternating, best of
+        ``_AUTO_ROUNDS``), keep the faster and drop the other's weights. The blocks' reasons say what
+        was predicted and what was measured."""
+        import time
+        b = self.backend
+        n = b.topology.num_sockets
+        sharded_plan = plan_graph(ag, n, policy="always")
+        marks = {"sharded": (b.weights, b.weights.mark())}
+        sharded = self._programs(sharded_plan, ag, args, b.group, b.weights, t0)
+        unsharded_plan = plan_graph(ag, n, policy="never")
+        if b.gemm is None:
+            unsharded = _Variant(unsharded_plan, None, [], baseline=_plain(self.gm, args, b.compiler.mode))
+        else:
+            store = b.whole_machine()[1]
+            marks["unsharded"] = (store, store.mark())
+            unsharded = self._unsharded(unsharded_plan, ag, args, t0)
+        best = {"sharded": float("inf"), "unsharded": float("inf")}
+        with torch.no_grad():
+            for v in (sharded, unsharded):
+                v(*args)   # untimed: the workers' first call starts their thread pools and allocations
+            for _ in range(_AUTO_ROUNDS):
+                for name, v in (("sharded", sharded), ("unsharded", unsharded)):
+                    start = time.perf_counter()
+                    v(*args)
+                    best[name] = min(best[name], time.perf_counter() - start)
+        pick = "sharded" if best["sharded"] < best["unsharded"] else "unsharded"
+        lost = "unsharded" if pick == "sharded" else "sharded"
+        if lost in marks:
+            store, mark = marks[lost]
+            store.drop_since(mark)   # no shard or packed weight made for the losing plan stays alive
+        keep = sharded if pick == "sharded" else unsharded
+        pred = plan.predicted
+        note = (f"predicted {1e3 * pred['sharded']:.1f} ms sharded vs {1e3 * pred['unsharded']:.1f} ms unsharded "
+                f"(within {100 * b.auto_measure:.0f}%), so both were built and timed on the first call: "
+                f"sharded {1e3 * best['sharded']:.1f} ms, unsharded {1e3 * best['unsharded']:.1f} ms: {pick}")
+        # the blocks the pass can shard, as the sharded plan found them, each with the model's reason
+        # and the measurement; the kept plan's weights say how they run
+        why = {blk.module: blk.reason for blk in plan.blocks}
+        blocks = tuple(replace(blk, sharded=blk.sharded and pick == "sharded",
+                               reason=f"{why[blk.module]}; {note}" if why.get(blk.module) else note)
+                       for blk in sharded_plan.blocks)
+        keep.plan = replace(keep.plan, blocks=blocks, predicted=pred)
+        keep.build_seconds = time.perf_counter() - t0
+        log.info("numatp: policy auto measured both plans: %s", note)
+        return keep
+
+    def _programs(self, plan: Plan, ag: Any, args: list[Any], group: SocketGroup, store: WeightStore,
+                  t0: float) -> _Variant:
+        """Localize ``ag`` (annotated for ``group``'s socket count), place its weights in ``store``,
+        compile and warm the programs on ``group``."""
+        import time
+        b = self.backend
+        n = group.size
+        programs = [localize(ag, r) for r in range(n)]
+        bindings = [p.bindings for p in programs]
+        local = [store.local_args(bindings[r], args, r) for r in range(n)]
+        executor = ShardedExecutor(group, b.compiler, gemm=b.gemm)
+        executor.build([p.gm for p in programs], local,
+                       weights=[p.weight_indices for p in programs])
+        for r, swaps in enumerate(executor.swaps):
+            for plain, prepared in swaps.values():
+                store.replace(r, plain, prepared)
+        local = [store.local_args(bindings[r], args, r) for r in range(n)]
+        executor.warm(local)
+        # the weights are fixed for this variant: look them up once, not on every call
+        weights = [[None if bd.placement is None else a for bd, a in zip(bindings[r], local[r])] for r in range(n)]
+        return _Variant(plan, executor, bindings, time.perf_counter() - t0, weights=weights)
+
+
+_ITEM_FUNCTIONS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.Tensor.item)
+
+
+def _is_item(node: torch.fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "item") or (
+        node.op == "call_function" and node.target in _ITEM_FUNCTIONS)
+
+
+def _item_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """Positions of the placeholders whose value ``gm`` reads with ``.item()``."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    read = {n.args[0] for n in gm.graph.nodes if _is_item(n) and n.args and n.args[0] in placeholders}
+    return tuple(i for i, p in enumerate(placeholders) if p in read)
+
+
+def _specialise(gm: torch.fx.GraphModule, values: dict[int, Any]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` where each ``.item()`` of placeholder ``i`` is the constant ``values[i]`` (tracing
+    with fake tensors cannot read a value; the variant's key holds it, so another value builds another)."""
+    import copy
+    gm = copy.deepcopy(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in list(gm.graph.nodes):
+        if _is_item(node) and node.args and node.args[0] in placeholders:
+            i = placeholders.index(node.args[0])
+            if i in values:
+                node.replace_all_uses_with(values[i])
+                gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def close_call(plan: Plan, margin: float = AUTO_MEASURE) -> bool:
+    """Whether policy "auto" measures both plans of ``plan``'s graph: its predictions lie within ``margin``."""
+    pred = plan.predicted
+    if not pred or margin <= 0:
+        return False
+    low, high = sorted((pred["sharded"], pred["unsharded"]))
+    return low > 0 and high / low - 1 <= margin
+
+
+def _plain(gm: torch.fx.GraphModule, args: list[Any], mode: str) -> Callable:
+    """The graph as plain Inductor on the calling thread (all cores), or uncompiled in eager mode."""
+    if mode == "eager":
+        return gm
+    from torch._inductor.compile_fx import compile_fx
+    with torch.no_grad():
+        return compile_fx(gm, args)
+
+
+def runs_unsharded(plan: Plan, policy: str) -> bool:
+    """Whether the backend runs ``plan`` unsharded on all cores rather than as socket programs: policy
+    "never", or "auto" where no block (LM head aside) is sharded. Replicated blocks in socket programs
+    would run whole on each socket's share of the cores, never faster than one program on all of them
+    (plain Inductor, or with GEMM providers on, one numatp program on one socket of all CPUs)."""
+    return policy == "never" or (policy == "auto" and not any(b.sharded for b in plan.blocks if b.kind != "lm_head"))
+
+
+def default_decider(topology: Topology) -> Callable:
+    """Ask the cost model, with this host's calibrated profile or a built-in estimate, per block."""
+    from numatp.cost import BlockShape, decide, default_profile
+
+    profile = default_profile(topology)
+
+    def decider(cand, sockets: int) -> tuple[dict[str, float], str]:
+        # the graph gives tokens (batch x seq) but not the split between them: the attention core is
+        # modelled as one sequence of all tokens, an upper bound on its quadratic term
+        head_dim = 64 if cand.inner % 64 == 0 else cand.inner
+        heads = max(1, cand.inner // head_dim)
+        shape = BlockShape(kind=cand.kind, batch=1, seq=cand.tokens, hidden=cand.hidden, inner=cand.inner,
+                           kv_inner=cand.inner if cand.kind == "attention" else 0,
+                           heads=heads if cand.kind == "attention" else 0,
+                           kv_heads=heads if cand.kind == "attention" else 0,
+                           head_dim=head_dim if cand.kind == "attention" else 0,
+                           dtype="bfloat16" if cand.itemsize == 2 else "float32")
+        (d,) = decide([shape], profile, sockets)
+        times = ", ".join(f"{k} {1e3 * v:.2f} ms" for k, v in d.times.items())
+        return d.times, f"{d.reason} (predicted: {times})"
+
+    return decider
+
+
+def _gemm_selector(gemm: bool | GemmOptions | None) -> GemmSelector | None:
+    """``gemm``: None = numatp's default (GEMM_DEFAULT), False = Inductor's own matmuls, True = measured
+    providers with default options, or :class:`GemmOptions`."""
+    if gemm is None:
+        gemm = GEMM_DEFAULT
+    if gemm is False:
+        return None
+    return GemmSelector(gemm if isinstance(gemm, GemmOptions) else GemmOptions())
+
+
+GEMM_DEFAULT = True
+"""Whether numatp picks measured GEMM providers when ``gemm`` is not given: yes, each weight matmul of a
+socket program runs the provider measured fastest for its shape, dtype and thread count on this CPU (cached
+in ``~/.cache/numatp``), ``aten`` (Inductor's call) unless another wins by ``GemmOptions.margin``."""

@@ -1,0 +1,92 @@
+"""What one numatp compile is asked to do: the options of ``numatp.compile`` and of
+``torch.compile(model, backend="numatp", options={...})``, checked in one place.
+
+Both entry points turn their arguments into one :class:`Options` value and build the backend from it, so
+an option means the same thing, and a bad one fails the same way, whichever way a model was compiled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from numatp.runtime.gemm_pass import GemmOptions
+from numatp.topology import Topology
+
+__all__ = ["AUTO_MEASURE", "POLICIES", "Options", "resolve_topology"]
+
+AUTO_MEASURE = 0.15
+"""policy "auto": where the cost model predicts the sharded and unsharded plans within this fraction of
+each other, build both and keep the one measured faster on the first call (0: trust the model alone)."""
+
+POLICIES = ("always", "never", "auto")
+MODES = ("inductor", "eager")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """The options of one compile; every field is also a key of ``torch.compile``'s ``options=``."""
+
+    sockets: None | int | Topology = None
+    """None: the detected topology; N: its first N sockets (N virtual sockets on a one-node machine);
+    or a :class:`numatp.Topology`."""
+    policy: str = "always"
+    """"always" shards every block numatp understands, "never" none (one program on all cores), "auto"
+    asks the cost model and shards the whole graph or none of it."""
+    mode: str = "inductor"
+    """"inductor" compiles the socket programs with Inductor's C++ backend; "eager" runs them uncompiled."""
+    strict_placement: bool = False
+    """Raise instead of warning where a shard cannot be bound to its socket's node."""
+    gemm: bool | GemmOptions | None = None
+    """Measured GEMM providers: None (numatp's default, on), True, False (Inductor's own matmuls) or a
+    :class:`numatp.GemmOptions`."""
+    auto_measure: float = AUTO_MEASURE
+    """policy "auto": build and time both plans where the model's predictions lie within this fraction."""
+
+    def __post_init__(self) -> None:
+        s = self.sockets
+        if not (s is None or isinstance(s, Topology) or (isinstance(s, int) and not isinstance(s, bool) and s >= 1)):
+            raise ValueError(f"sockets={s!r}: pass None (detect), a positive int or a numatp.Topology")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r}: choose 'always', 'never' or 'auto'")
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r}: choose 'inductor' (compiled socket programs) or 'eager' "
+                             "(uncompiled, for debugging)")
+        if not isinstance(self.strict_placement, bool):
+            raise ValueError(f"strict_placement={self.strict_placement!r}: pass True or False")
+        if not (self.gemm is None or isinstance(self.gemm, (bool, GemmOptions))):
+            raise ValueError(f"gemm={self.gemm!r}: pass None (default), True, False or a numatp.GemmOptions")
+        a = self.auto_measure
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or a < 0:
+            raise ValueError(f"auto_measure={a!r}: pass a fraction >= 0 (0 trusts the cost model alone; "
+                             f"default {AUTO_MEASURE})")
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any] | None) -> Options:
+        """``torch.compile``'s ``options=``; a key that is not an option is an error naming the valid ones."""
+        options = dict(options or {})
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(k for k in options if k not in valid)
+        if unknown:
+            raise ValueError(f"backend 'numatp' got unknown option(s) {unknown}; its options are "
+                             f"{', '.join(valid)} (see help(numatp.compile))")
+        return cls(**options)
+
+
+def resolve_topology(sockets: None | int | Topology) -> Topology:
+    """The topology to run on: detected (``None``), its first N sockets, or N virtual sockets on a one-node machine."""
+    if isinstance(sockets, Topology):
+        return sockets
+    detected = Topology.detect()
+    if sockets is None:
+        return detected
+    if isinstance(sockets, bool) or not isinstance(sockets, int) or sockets < 1:
+        raise ValueError(f"sockets={sockets!r}: pass None (detect), a positive int or a numatp.Topology")
+    if detected.num_sockets == 1 and sockets > 1:
+        return Topology.virtual(sockets=sockets)
+    if sockets > detected.num_sockets:
+        raise ValueError(f"sockets={sockets}: this machine has {detected.num_sockets} usable sockets "
+                         f"(see `numatp topo`); pass at most {detected.num_sockets}, or a "
+                         "numatp.Topology.virtual(...) to try more")
+    return Topology(detected.nodes, detected.sockets[:sockets], detected.allowed_cpus, detected.is_virtual)
