@@ -47,7 +47,7 @@ def main(layer_counts: list[int]) -> None:
                                       use_cache=False)
         torch.manual_seed(0)
         model = transformers.GPT2LMHeadModel(cfg).eval()
-        ids = torch.randint(0, 512, (4, 512))
+        ids = torch.randint(0, 512, (2, 512))
         for policy in ("never", "always"):
             torch._dynamo.reset()
             compiled = numatp.compile(model, sockets=Topology.virtual(sockets=2), mode="eager", policy=policy)

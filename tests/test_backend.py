@@ -69,14 +69,6 @@ def test_inductor_segments_equal_eager(sockets):
         assert_close_to_eager(compiled(**other).logits, model(**other).logits, "new shape")
 
 
-def test_torch_compile_backend_string():
-    model = zoo.build("gpt2", tiny=True)
-    inputs = zoo.example_inputs(model, batch=1, seq=16)
-    with torch.inference_mode():
-        out = torch.compile(model, backend="numatp")(**inputs).logits
-        assert_close_to_eager(out, model(**inputs).logits, "backend='numatp'")
-
-
 def test_graph_breaks_give_several_graphs():
     class Broken(torch.nn.Module):
         def __init__(self):
@@ -179,39 +171,49 @@ def test_concurrent_calls_are_a_clear_error_or_correct():
     assert errors and "one prefill at a time" in errors[0]
 
 
+def _numatp_workers() -> dict[str, list[int]]:
+    """numatp's live worker threads, each with the CPUs it is pinned to (as the kernel reports them)."""
+    return {t.name: sorted(os.sched_getaffinity(t.native_id)) for t in threading.enumerate()
+            if t.name.startswith("numatp-") and t.is_alive()}
+
+
+def _started_during(fn) -> tuple[object, dict[str, list[int]]]:
+    before = _numatp_workers()
+    result = fn()
+    return result, {k: v for k, v in _numatp_workers().items() if k not in before}
+
+
 @pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "no-gemm"])
 @pytest.mark.parametrize("policy", ["auto", "never"])
 def test_unsharded_policies_run_on_all_cores(policy, gemm):
     # "never", and "auto" where no block pays for sharding, run the graph unsharded on all cores, never
     # replicated per socket: as one program on one worker pinned to every CPU (so that it keeps the
-    # measured GEMM providers), or as plain torch.compile when GEMM providers are off
+    # measured GEMM providers), or as plain torch.compile on the caller's thread when GEMM providers are off
     topo = Topology.virtual(sockets=2)
     model = zoo.build("gpt2", tiny=True)
     inputs = zoo.example_inputs(model, batch=1, seq=16)
-    with torch.inference_mode():
-        # auto_measure=0: the cost model's choice alone (test_auto_measures_both_plans_when_close below)
-        compiled = numatp.compile(model, sockets=topo, policy=policy, mode="eager", gemm=gemm, auto_measure=0)
-        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, policy)
-    backend = backend_of(compiled)
-    (plan,) = backend.plans
+
+    def run():
+        with torch.inference_mode():
+            # auto_measure=0: the cost model's choice alone (test_auto_measures_both_plans_when_close below)
+            compiled = numatp.compile(model, sockets=topo, policy=policy, mode="eager", gemm=gemm, auto_measure=0)
+            assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, policy)
+            return compiled
+
+    compiled, workers = _started_during(run)
+    (plan,) = numatp.plans(compiled)
     decided = [b for b in plan.blocks if b.kind != "lm_head"]
+    assert not any(b.sharded for b in decided) and plan.reductions == 0
     if policy == "auto":
         assert decided and all("predicted" in b.reason for b in decided)
-    (variant,) = [v for g in backend.graphs for v in g.variants.values()]
-    assert not any(b.sharded for b in decided)
-    assert backend._group is None  # the per-socket workers were never started
+    rows = backend_of(compiled).gemm_report()
     if not gemm:
-        assert variant.baseline is not None and variant.executor is None
+        assert workers == {} and rows == []   # no socket worker was started: Inductor on the caller's thread
         return
-    assert variant.baseline is None
-    group = variant.executor.group
-    assert group.size == 1 and sorted(group.topology.sockets[0].cpus) == sorted(topo.allowed_cpus)
-    assert group.run(lambda r: (sorted(os.sched_getaffinity(0)), torch.get_num_threads())) == [
-        (sorted(topo.allowed_cpus), len(topo.allowed_cpus))]
-    # every weight matmul of the one program got a measured provider, as in sharded programs
-    rows = backend.gemm_report()
-    assert rows and all(r["rank"] == 0 and r["threads"] == len(topo.allowed_cpus) and r["gflops"] > 0
-                        for r in rows)
+    all_cpus = sorted(topo.allowed_cpus)
+    assert list(workers.values()) == [all_cpus], workers   # one worker, on every CPU, no per-socket ones
+    # every weight matmul of the one program got a measured provider at the whole machine's thread count
+    assert rows and all(r["rank"] == 0 and r["threads"] == len(all_cpus) and r["gflops"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "no-gemm"])
@@ -225,9 +227,8 @@ def test_auto_measures_both_plans_when_close(gemm):
         compiled = numatp.compile(model, sockets=topo, policy="auto", mode="eager", gemm=gemm, auto_measure=10.0)
         assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto, measured")
         assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto, second call")
-    backend = backend_of(compiled)
-    (variant,) = [v for g in backend.graphs for v in g.variants.values()]
-    decided = [b for b in variant.plan.blocks if b.kind != "lm_head"]
+    (plan,) = numatp.plans(compiled)
+    decided = [b for b in plan.blocks if b.kind != "lm_head"]
     notes = {b.reason.rsplit("; ", 1)[-1] for b in decided}
     assert len(notes) == 1
     (note,) = notes
@@ -236,28 +237,24 @@ def test_auto_measures_both_plans_when_close(gemm):
     sharded_ms, unsharded_ms, pick = float(m[1]), float(m[2]), m[3]
     assert pick == ("sharded" if sharded_ms < unsharded_ms else "unsharded")
     assert all(b.sharded == (pick == "sharded") for b in decided)
-    assert variant.plan.predicted and set(variant.plan.predicted) == {"sharded", "unsharded"}
-    # only the kept plan's weights stay: the other store was emptied of what its build made
-    sharded_store = backend.weights
-    whole_store = backend._whole[1] if backend._whole else None
-    if pick == "sharded":
-        assert variant.executor.group.size == 2 and sharded_store.mark()
-        assert whole_store is None or not whole_store.mark()
-    else:
-        assert not sharded_store.mark()
-        if gemm:
-            assert variant.executor.group.size == 1 and whole_store.mark()
-        else:
-            assert variant.baseline is not None
+    assert plan.predicted and set(plan.predicted) == {"sharded", "unsharded"}
+    # only the kept plan's socket shards stay: the placement report lists them only when sharding won
+    assert (numatp.placement_report(compiled)["tensors"] > 0) == (pick == "sharded")
+    backend = backend_of(compiled)
+    performed = dict(backend.performed)
+    with torch.inference_mode():
+        compiled(**inputs)
+    done = {k: backend.performed[k] - performed[k] for k in performed}
+    # the kept program is what runs: the sharded one reduces twice per layer, the unsharded one never
+    assert done == ({"all_reduce": 4, "all_gather": 1} if pick == "sharded" else {"all_reduce": 0, "all_gather": 0})
     if gemm:
-        # the GEMM report and the workers' thread counts are those of the kept program, whichever was
-        # built last
-        kept = variant.executor.group
-        cpus = [len(s.cpus) for s in kept.topology.sockets]
+        # the GEMM report is that of the kept program (whichever was built last), at its workers' thread
+        # counts: 1 CPU per virtual socket sharded, every CPU unsharded
         rows = backend.gemm_report()
-        assert rows and {r["rank"] for r in rows} == set(range(kept.size))
+        ranks = topo.num_sockets if pick == "sharded" else 1
+        cpus = [len(s.cpus) for s in topo.sockets] if pick == "sharded" else [len(topo.allowed_cpus)]
+        assert rows and {r["rank"] for r in rows} == set(range(ranks))
         assert all(r["threads"] == cpus[r["rank"]] for r in rows)
-        assert kept.run(lambda r: torch.get_num_threads()) == cpus
 
 
 def test_auto_trusts_the_model_when_predictions_are_far_apart():
@@ -266,13 +263,19 @@ def test_auto_trusts_the_model_when_predictions_are_far_apart():
     inputs = zoo.example_inputs(model, batch=1, seq=16)
     backend = NumaTPBackend(topo, policy="auto", mode="eager", auto_measure=0.15,
                             decide=lambda cand, n: ({"sharded": 1.0, "unsharded": 2.0}, "test: sharding halves it"))
-    with torch.inference_mode():
-        compiled = torch.compile(model, backend=backend, dynamic=False)
-        assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto, model only")
-    (variant,) = [v for g in backend.graphs for v in g.variants.values()]
-    decided = [b for b in variant.plan.blocks if b.kind != "lm_head"]
+
+    def run():
+        with torch.inference_mode():
+            compiled = torch.compile(model, backend=backend, dynamic=False)
+            assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, "auto, model only")
+            return compiled
+
+    compiled, workers = _started_during(run)
+    (plan,) = numatp.plans(compiled)
+    decided = [b for b in plan.blocks if b.kind != "lm_head"]
     assert all(b.sharded and "timed on the first call" not in b.reason for b in decided)
-    assert backend._whole is None   # the unsharded plan was never built
+    # the unsharded plan was never built: only the two socket workers started, none on every CPU
+    assert sorted(workers.values()) == sorted(sorted(s.cpus) for s in topo.sockets)
 
 
 @pytest.mark.parametrize("bad", [-0.1, "0.1", True])

@@ -185,13 +185,13 @@ def test_sharded_call_peak_memory_is_bounded():
     # the hidden states (each extra socket holds the replicated residual stream)
     child = Path(__file__).with_name("peak_child.py")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(child), "2", "8"], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, str(child), "2", "6"], capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     peaks = json.loads(proc.stdout.splitlines()[-1])
-    hidden_mib = 4 * 512 * 256 * 4 / 2**20   # batch x seq x hidden fp32
-    shallow, deep, unsharded = peaks["2-always"], peaks["8-always"], peaks["8-never"]
-    assert deep["performed"] == {"all_reduce": 2 * 8, "all_gather": 1}
+    hidden_mib = 2 * 512 * 256 * 4 / 2**20   # batch x seq x hidden fp32
+    shallow, deep, unsharded = peaks["2-always"], peaks["6-always"], peaks["6-never"]
+    assert deep["performed"] == {"all_reduce": 2 * 6, "all_gather": 1}
     assert shallow["performed"] == {"all_reduce": 2 * 2, "all_gather": 1}
     assert deep["peak_mib"] - shallow["peak_mib"] < hidden_mib, peaks
     assert deep["peak_mib"] <= 1.25 * unsharded["peak_mib"] + hidden_mib, peaks
