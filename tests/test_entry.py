@@ -180,9 +180,13 @@ def test_dynamic_true_specialises_each_length_under_inductor():
 
 
 def test_sharded_call_peak_memory_is_bounded():
-    # a reduction's partials are dropped once every socket has summed them: the peak of a sharded call
-    # does not grow with depth, and stays within 1.25x of the unsharded program's plus one more copy of
-    # the hidden states (each extra socket holds the replicated residual stream)
+    # a reduction's partials are dropped once every socket has summed them, so the peak of a sharded
+    # call does not grow with depth: kept to the end of the call, 4 more layers would add 8 reductions x 2
+    # partials = 16 hidden-state copies; the two sockets' own peaks meet or miss by thread timing, which
+    # moves the total by about 2 copies, so the check allows 4. Beyond
+    # the unsharded program's peak it holds what the plan puts on every socket: the other socket's copy
+    # of the replicated hidden states, one reduction's partials and sums, the gathered logits (about 6
+    # hidden-state copies here, 1.32x); 1.4x bounds it
     child = Path(__file__).with_name("peak_child.py")
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, str(child), "2", "6"], capture_output=True, text=True, env=env,
@@ -193,5 +197,5 @@ def test_sharded_call_peak_memory_is_bounded():
     shallow, deep, unsharded = peaks["2-always"], peaks["6-always"], peaks["6-never"]
     assert deep["performed"] == {"all_reduce": 2 * 6, "all_gather": 1}
     assert shallow["performed"] == {"all_reduce": 2 * 2, "all_gather": 1}
-    assert deep["peak_mib"] - shallow["peak_mib"] < hidden_mib, peaks
-    assert deep["peak_mib"] <= 1.25 * unsharded["peak_mib"] + hidden_mib, peaks
+    assert abs(deep["peak_mib"] - shallow["peak_mib"]) < 4 * hidden_mib, peaks
+    assert deep["peak_mib"] <= 1.4 * unsharded["peak_mib"], peaks
