@@ -1,16 +1,16 @@
 """Run the per-socket programs on a socket group: compiled segments, all-reduces between them.
 
-Each worker runs its socket's segments on its own weight shards. An all-reduce posts the worker's
-partial sum, waits at the barrier, and writes the sum of all partials (added in socket order, so every
-socket holds bit-identical replicated values) into a tensor the worker allocates, i.e. in its own node's
-memory. The last socket to finish its sum drops every partial of that reduction, so a call holds at most
-the partials of the reduction in progress; a value is dropped from a worker's environment after its last
-use. ``performed`` counts the collectives the workers completed, per kind, over all calls.
+Each worker runs its socket's segments on its own weight shards. An all-reduce hands the worker's
+partial sum to the group's collective (:mod:`numatp.runtime.collective`: C++, no GIL, reduce-scatter +
+all-gather over the partials in place), which returns the total in a tensor the worker allocates, i.e. in
+its own node's memory; every socket holds the same bits. The partial is dropped as the call returns, so a
+call holds at most the partials of the reduction in progress; a value is dropped from a worker's
+environment after its last use. ``performed`` counts the collectives the workers completed, per kind,
+over all calls.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,12 +113,11 @@ class ShardedExecutor:
         slots: dict[int, list[Any]] = {}
         for prog in self.programs[:1]:
             for s in prog.steps:
-                if isinstance(s, Collective):
+                if isinstance(s, Collective) and s.kind == "all_gather":
                     slots[s.tag] = [None] * size
-        readers = dict.fromkeys(slots, size)   # sockets yet to read each reduction's partials
-        lock = threading.Lock()
         sync = self.sync_seconds
         performed = self.performed
+        group = self.group
 
         def work(rank: int) -> list[Any]:
             prog = self.programs[rank]
@@ -130,22 +129,14 @@ class ShardedExecutor:
                     env[step.dst] = step(env)
                 else:
                     t0 = time.perf_counter()
-                    slot = slots[step.tag]
                     if step.kind == "all_reduce":
-                        slot[rank] = env[step.src]
-                        self.group.barrier(rank)
-                        total = slot[0] + slot[1] if size > 1 else slot[0].clone()
-                        for p in slot[2:]:
-                            total += p
-                        env[step.dst] = total
-                        with lock:
-                            readers[step.tag] -= 1
-                            if not readers[step.tag]:   # every socket has its sum: the partials can go
-                                slot[:] = [None] * size
-                                performed["all_reduce"] += 1
+                        env[step.dst] = group.all_reduce(rank, env[step.src])
+                        if rank == 0:   # every socket returned from the collective with the same total
+                            performed["all_reduce"] += 1
                     else:
                         # socket 0 allocates the full tensor, every socket copies its own shard into it at
                         # once; run() returns only after every worker is done, so no second barrier
+                        slot = slots[step.tag]
                         shard = env[step.src]
                         if rank == 0:
                             shape = list(shard.shape)
@@ -154,10 +145,8 @@ class ShardedExecutor:
                         self.group.barrier(rank)
                         place(slot[0], shard, step.dim, step.sets[rank])
                         env[step.dst] = slot[0] if rank == 0 else None
-                        with lock:
-                            readers[step.tag] -= 1
-                            if not readers[step.tag]:
-                                performed["all_gather"] += 1
+                        if rank == 0:
+                            performed["all_gather"] += 1
                     sync[rank] += time.perf_counter() - t0
                 for k in frees:
                     env.pop(k, None)

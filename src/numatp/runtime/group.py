@@ -31,6 +31,8 @@ from numatp.topology import Topology
 
 __all__ = ["SocketGroup", "SocketError", "GroupAborted", "callers_threads", "pin_threads"]
 
+_CPP_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class SocketError(RuntimeError):
     """A socket's worker raised; the message names the socket, the cause is chained."""
@@ -69,11 +71,28 @@ class _Shared:
         self.bind = bind
         self.timeout = timeout
         self.size = topology.num_sockets
-        self.barrier = threading.Barrier(self.size)
+        self.comm: Any = None   # the C++ collective (numatp.runtime.collective), made on first use
+        self.comm_lock = threading.Lock()
+        self.aborted = False   # a worker failed in this call (also stops a collective made after it)
         self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.size)]
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.ready = threading.Barrier(self.size + 1)
         self.setup_errors: list[BaseException] = []
+        self.slots: list[Any] = [None] * self.size   # partials of the torch all-reduce (dtypes C++ does not sum)
+
+    def abort(self) -> None:
+        """Stop every barrier in progress and to come until the next call (a worker failed)."""
+        with self.comm_lock:
+            self.aborted = True
+            if self.comm is not None:
+                self.comm.abort()
+
+    def reset(self) -> None:
+        """A fresh start for the next call (no worker is inside one)."""
+        with self.comm_lock:
+            self.aborted = False
+            if self.comm is not None:
+                self.comm.reset()
 
 
 def _worker(shared: _Shared, rank: int) -> None:
@@ -98,7 +117,7 @@ def _worker(shared: _Shared, rank: int) -> None:
             try:
                 shared.done.put((rank, True, task(rank)))
             except BaseException as e:  # noqa: BLE001  (handed to the caller)
-                shared.barrier.abort()
+                shared.abort()
                 shared.done.put((rank, False, e))
             del task
 
@@ -144,10 +163,50 @@ class SocketGroup:
     def thread_names(self) -> list[str]:
         return [t.name for t in self._threads if t.is_alive()]
 
+    @property
+    def comm(self) -> Any:
+        """The group's C++ collective (:class:`numatp.runtime.collective.SocketComm`), compiled and made on
+        first use; None for a group of one socket."""
+        shared = self._shared
+        if shared.comm is None and self.size > 1:
+            with shared.comm_lock:
+                if shared.comm is None:
+                    from numatp.runtime.collective import SocketComm
+                    shared.comm = SocketComm(self.size, timeout=shared.timeout)
+                    if shared.aborted:   # a peer failed before the collective existed
+                        shared.comm.abort()
+        return shared.comm
+
     def barrier(self, rank: int) -> None:
+        """Wait for every socket of the group (inside ``run``)."""
+        if self.size > 1:
+            self._collective(self.comm.barrier, rank)
+
+    def all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every socket's ``partial`` in a new tensor of this socket's worker (inside ``run``).
+        float32 and bfloat16 are summed by the C++ collective; other dtypes by torch, after a barrier."""
+        if self.size == 1:
+            return partial.clone()
+        if partial.dtype in _CPP_DTYPES and self.comm.supports(partial):
+            return self._collective(self.comm.all_reduce, rank, partial)
+        return self._torch_all_reduce(rank, partial)
+
+    def _torch_all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
+        slots = self._shared.slots
+        slots[rank] = partial
+        self.barrier(rank)
+        total = slots[0] + slots[1]
+        for p in slots[2:]:
+            total += p
+        self.barrier(rank)   # every socket has read every partial: the next reduction may reuse the slots
+        slots[rank] = None
+        return total
+
+    def _collective(self, op: Callable, rank: int, *args: Any) -> Any:
+        from numatp.runtime.collective import CommAborted
         try:
-            self._shared.barrier.wait(self._shared.timeout)
-        except threading.BrokenBarrierError:
+            return op(rank, *args)
+        except CommAborted:
             raise GroupAborted(f"socket {rank}: a peer socket failed or the call was interrupted") from None
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
@@ -157,7 +216,7 @@ class SocketGroup:
                                "numatp runs one prefill at a time per compiled model: call it from one thread")
         shared = self._shared
         try:
-            shared.barrier.reset()
+            shared.reset()
             for q in shared.tasks:
                 q.put(fn)
             results: list[Any] = [None] * self.size
@@ -169,7 +228,7 @@ class SocketGroup:
                     rank, ok, value = shared.done.get()
                 except BaseException as e:  # KeyboardInterrupt: stop the peers, still collect them
                     interrupted = e
-                    shared.barrier.abort()
+                    shared.abort()
                     continue
                 pending -= 1
                 if ok:
@@ -179,6 +238,13 @@ class SocketGroup:
             if interrupted is not None:
                 raise interrupted
             if errors:
+                from numatp.runtime.collective import CollectiveTimeout
+                late = [e for e in errors.values() if isinstance(e, CollectiveTimeout)]
+                if late:
+                    stuck = late[0].missing
+                    cpus = "; ".join(f"socket {r}: CPUs {_cpus(self.topology, r)}" for r in stuck)
+                    raise SocketError(f"timed out: {late[0]} ({cpus}); raise the group's timeout if the work "
+                                      "between two reductions is that long") from late[0]
                 real = {r: e for r, e in errors.items() if not isinstance(e, GroupAborted)}
                 rank, err = min((real or errors).items())
                 raise SocketError(f"socket {rank} (CPUs {_cpus(self.topology, rank)}) failed: "

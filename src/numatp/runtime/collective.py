@@ -1,0 +1,170 @@
+"""The sockets' barrier and all-reduce in C++, without the GIL.
+
+``collective.cpp`` beside this file is compiled on first use with the C++ compiler Inductor uses
+(``-O3 -march=native -fopenmp``) into ``~/.cache/numatp/ext/``, keyed by its source, the compiler and
+this CPU, and loaded with ``ctypes``, which releases the GIL for the length of every call. Its OpenMP
+loops run on the calling worker's own team (torch's OpenMP runtime, already loaded, is the one the
+library binds to), so a socket reduces with its own pinned threads.
+
+An all-reduce reads the peers' partial sums in place (the sockets share one address space): below
+:data:`FUSED_BYTES` every socket sums all partials after one barrier; above, each socket reduces its
+own slice and then copies the others' (reduce-scatter + all-gather), so no element is summed twice.
+bf16 is summed in fp32 and rounded once. A barrier spins on atomic flags (pause, then yield), stops at
+once when a peer fails (:meth:`SocketComm.abort`), and after ``timeout`` seconds names the sockets that
+never arrived.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+import torch
+
+from numatp._cache import cache_dir
+
+__all__ = ["FUSED_BYTES", "CollectiveTimeout", "CommAborted", "SocketComm", "library"]
+
+FUSED_BYTES = 32 << 10
+"""At or below this many bytes an all-reduce sums every partial on every socket (one barrier fewer);
+above, reduce-scatter + all-gather."""
+
+_SOURCE = Path(__file__).with_name("collective.cpp")
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+class CommAborted(RuntimeError):
+    """A barrier stopped because a peer socket failed or the call was interrupted."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A barrier waited longer than its timeout; ``missing`` lists the sockets that never arrived."""
+
+    def __init__(self, message: str, missing: list[int]):
+        super().__init__(message)
+        self.missing = missing
+
+
+def _compiler() -> str:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        found = shutil.which(get_cpp_compiler())
+    except Exception:  # noqa: BLE001  (an Inductor without this helper: look on PATH)
+        found = None
+    for name in (found, "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    raise RuntimeError("numatp's socket collective is compiled on first use and needs a C++ compiler, the "
+                       "same one torch.compile's C++ backend needs: none found (g++, c++, clang++) on PATH; "
+                       "install one (Debian/Ubuntu: apt-get install g++) or point $CXX at it")
+
+
+def library() -> ctypes.CDLL:
+    """The compiled collective, built once per source, compiler and CPU."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            _lib = _load(_build())
+        return _lib
+
+
+def _build() -> Path:
+    from numatp.runtime.gemm import cpu_signature
+
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(_SOURCE.read_bytes() + repr((cxx, version, _FLAGS, cpu_signature())).encode())
+    folder = cache_dir() / "ext"
+    target = folder / f"collective-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+    os.close(fd)
+    proc = subprocess.run([cxx, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"numatp: compiling {_SOURCE.name} with {cxx} failed:\n{proc.stderr[-4000:]}")
+    os.replace(tmp, target)   # atomic: another process building the same key at once finds a whole file
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    vp, i64, u64p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)
+    lib.numatp_comm_new.argtypes, lib.numatp_comm_new.restype = [ctypes.c_int], vp
+    lib.numatp_comm_free.argtypes, lib.numatp_comm_free.restype = [vp], None
+    lib.numatp_comm_abort.argtypes, lib.numatp_comm_abort.restype = [vp], None
+    lib.numatp_comm_reset.argtypes, lib.numatp_comm_reset.restype = [vp], None
+    lib.numatp_barrier.argtypes = [vp, ctypes.c_int, ctypes.c_double, u64p]
+    lib.numatp_barrier.restype = ctypes.c_int
+    lib.numatp_all_reduce.argtypes = [vp, ctypes.c_int, vp, vp, i64, ctypes.c_int, i64, ctypes.c_double, u64p]
+    lib.numatp_all_reduce.restype = ctypes.c_int
+    return lib
+
+
+class SocketComm:
+    """Barrier and all-reduce among the ``size`` workers of one socket group (``size`` >= 2).
+
+    Every worker calls the same operations in the same order with its own ``rank``. ``abort`` (any
+    thread) makes every barrier in progress and to come fail with :class:`CommAborted` until ``reset``,
+    which the group calls between calls, when no worker is inside one.
+    """
+
+    def __init__(self, size: int, *, timeout: float = 600.0, fused_bytes: int = FUSED_BYTES):
+        if size < 2:
+            raise ValueError(f"SocketComm(size={size}): a collective needs 2 to 64 sockets")
+        self.size = size
+        self.timeout = float(timeout)
+        self.fused_bytes = int(fused_bytes)
+        self._lib = library()
+        self._comm = self._lib.numatp_comm_new(size)
+        if not self._comm:
+            raise ValueError(f"SocketComm(size={size}): a collective needs 2 to 64 sockets")
+        self._finalizer = weakref.finalize(self, self._lib.numatp_comm_free, self._comm)
+
+    @staticmethod
+    def supports(t: torch.Tensor) -> bool:
+        return t.dtype in _DTYPES and t.device.type == "cpu" and t.layout == torch.strided
+
+    def all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of every socket's ``partial`` (same shape and dtype on each), in a new tensor of the
+        calling worker (its node's memory). Partials are not written."""
+        src = partial.contiguous()
+        out = torch.empty_like(src)
+        missing = ctypes.c_uint64(0)
+        rc = self._lib.numatp_all_reduce(self._comm, rank, src.data_ptr(), out.data_ptr(), src.numel(),
+                                         _DTYPES[src.dtype], self.fused_bytes, self.timeout, ctypes.byref(missing))
+        self._check(rc, rank, missing, "an all-reduce")
+        return out
+
+    def barrier(self, rank: int) -> None:
+        missing = ctypes.c_uint64(0)
+        self._check(self._lib.numatp_barrier(self._comm, rank, self.timeout, ctypes.byref(missing)),
+                    rank, missing, "a barrier")
+
+    def abort(self) -> None:
+        self._lib.numatp_comm_abort(self._comm)
+
+    def reset(self) -> None:
+        self._lib.numatp_comm_reset(self._comm)
+
+    def _check(self, rc: int, rank: int, missing: ctypes.c_uint64, what: str) -> None:
+        if rc == 0:
+            return
+        if rc == 1:
+            raise CommAborted(f"socket {rank}: a peer socket failed or the call was interrupted")
+        stuck = [r for r in range(self.size) if missing.value >> r & 1]
+        names = ", ".join(map(str, stuck))
+        raise CollectiveTimeout(f"socket{'s' if len(stuck) > 1 else ''} {names} did not reach {what} within "
+                                f"{self.timeout:g} s (socket {rank} waited)", stuck)
