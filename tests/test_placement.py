@@ -200,8 +200,29 @@ def test_custom_op_runs_and_traces():
 
 
 def test_public_names():
-    assert sorted(numatp.placement.__all__) == ["PlacementError", "membind", "numa_clone", "pages_by_node",
-                                                "process_bytes_by_node"]
+    assert sorted(numatp.placement.__all__) == ["PlacementError", "membind", "numa_clone", "numa_empty",
+                                                "pages_by_node", "process_bytes_by_node"]
+
+
+@pytest.mark.parametrize("shape", [(3, 5), (0,), (4097,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_numa_empty_is_a_writable_page_aligned_tensor(shape, dtype):
+    from numatp.placement import numa_empty
+
+    t = numa_empty(shape, dtype, 0)
+    assert t.shape == torch.Size(shape) and t.dtype == dtype and t.is_contiguous()
+    if t.numel():
+        assert t.data_ptr() % 4096 == 0
+        t.fill_(3)
+        assert torch.equal(t, torch.full(shape, 3, dtype=dtype))
+        assert set(pages_by_node(t)) == {0}
+
+
+def test_numa_empty_names_a_bad_node():
+    from numatp.placement import numa_empty
+
+    with pytest.raises(ValueError, match="node"):
+        numa_empty((4,), torch.float32, 99)
 
 
 def test_process_bytes_by_node_sums_every_mapping(tmp_path):

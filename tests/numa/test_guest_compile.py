@@ -58,3 +58,22 @@ def test_packed_gemm_weight_is_made_in_its_socket_node(topology, provider):
             assert grew[socket.node] >= 0.9 * size, f"socket {rank} packed {size} bytes; grew per node {grew}"
             assert all(g < 0.1 * size for n, g in grew.items() if n != socket.node), grew
             del made
+
+
+def test_all_reduce_result_is_on_each_sockets_node(topology):
+    # the C++ collective writes each socket's total into a tensor its worker allocates under the
+    # socket's memory binding: every socket reads the reduced activations from its own node
+    from numatp.placement import pages_by_node
+    from numatp.runtime import SocketGroup
+
+    parts = [torch.full((64, 1024), float(r + 1)) for r in range(topology.num_sockets)]   # 256 KiB each
+    with SocketGroup(topology) as group:
+        def reduce(rank):
+            out = group.all_reduce(rank, parts[rank])
+            return out, pages_by_node(out)
+
+        seen = group.run(reduce)
+    total = sum(range(1, topology.num_sockets + 1))
+    for rank, (out, pages) in enumerate(seen):
+        assert torch.equal(out, torch.full((64, 1024), float(total)))
+        assert set(pages) == {topology.sockets[rank].node}, f"socket {rank}: pages {pages}"

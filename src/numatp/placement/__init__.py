@@ -15,6 +15,6 @@ from __future__ import annotations
 
 from numatp.placement._common import PlacementError
 from numatp.placement.binding import membind
-from numatp.placement.memory import numa_clone, pages_by_node, process_bytes_by_node
+from numatp.placement.memory import numa_clone, numa_empty, pages_by_node, process_bytes_by_node
 
-__all__ = ["PlacementError", "membind", "numa_clone", "pages_by_node", "process_bytes_by_node"]
+__all__ = ["PlacementError", "membind", "numa_clone", "numa_empty", "pages_by_node", "process_bytes_by_node"]

@@ -16,7 +16,7 @@ import torch
 from numatp.placement import _syscalls
 from numatp.placement._common import PlacementError, refused, validate_node
 
-__all__ = ["numa_clone", "pages_by_node", "process_bytes_by_node"]
+__all__ = ["numa_clone", "numa_empty", "pages_by_node", "process_bytes_by_node"]
 
 _QUERY_CHUNK = 1 << 14  # pages per move_pages call: bounds the ctypes arrays, not the tensor size
 
@@ -46,8 +46,22 @@ def numa_clone(tensor: torch.Tensor, node: int, *, strict: bool = False) -> torc
     one RuntimeWarning per process; with ``strict=True`` that raises PlacementError instead.
     """
     _check_cpu_tensor(tensor, "numa_clone")
+    out = numa_empty(tensor.shape, tensor.dtype, node, strict=strict)
+    with torch.no_grad():
+        out.copy_(tensor)  # first touch: every page is allocated under the binding
+    return out
+
+
+def numa_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, node: int, *,
+               strict: bool = False) -> torch.Tensor:
+    """An uninitialised contiguous tensor whose pages will be on ``node``, whoever touches them first.
+
+    Unlike ``torch.empty`` made by a thread bound to ``node``, it cannot get memory the allocator
+    recycles from elsewhere (a glibc arena's pages stay where they were first touched, and a new
+    thread may inherit an exited thread's arena). Same node checks and fallback as :func:`numa_clone`.
+    """
     validate_node(node)
-    nbytes = tensor.numel() * tensor.element_size()
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     length = max(1, -(-nbytes // _syscalls.PAGE_SIZE)) * _syscalls.PAGE_SIZE
     buf = _NodeBuffer(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -55,11 +69,8 @@ def numa_clone(tensor: torch.Tensor, node: int, *, strict: bool = False) -> torc
     try:
         _syscalls.mbind(raw.data_ptr(), length, _syscalls.MPOL_BIND, [node])
     except OSError as e:
-        refused("mbind", node, e, strict=strict, fallback="a plain page-aligned copy")
-    out = raw[:nbytes].view(tensor.dtype).view(tensor.shape)
-    with torch.no_grad():
-        out.copy_(tensor)  # first touch: every page is allocated under the binding
-    return out
+        refused("mbind", node, e, strict=strict, fallback="a plain page-aligned buffer")
+    return raw[:nbytes].view(dtype).view(shape)
 
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:

@@ -137,11 +137,16 @@ class SocketComm:
     def supports(t: torch.Tensor) -> bool:
         return t.dtype in _DTYPES and t.device.type == "cpu" and t.layout == torch.strided
 
-    def all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
-        """The sum of every socket's ``partial`` (same shape and dtype on each), in a new tensor of the
-        calling worker (its node's memory). Partials are not written."""
+    def all_reduce(self, rank: int, partial: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum of every socket's ``partial`` (same shape and dtype on each), written into ``out`` (a
+        contiguous tensor of that shape and dtype; default: a new one) and returned. Partials are not
+        written."""
         src = partial.contiguous()
-        out = torch.empty_like(src)
+        if out is None:
+            out = torch.empty_like(src)
+        elif out.shape != src.shape or out.dtype != src.dtype or not out.is_contiguous():
+            raise ValueError(f"all_reduce: out must be contiguous {tuple(src.shape)} {src.dtype}, got "
+                             f"{tuple(out.shape)} {out.dtype}")
         missing = ctypes.c_uint64(0)
         rc = self._lib.numatp_all_reduce(self._comm, rank, src.data_ptr(), out.data_ptr(), src.numel(),
                                          _DTYPES[src.dtype], self.fused_bytes, self.timeout, ctypes.byref(missing))

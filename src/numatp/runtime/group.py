@@ -183,12 +183,18 @@ class SocketGroup:
             self._collective(self.comm.barrier, rank)
 
     def all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
-        """The sum of every socket's ``partial`` in a new tensor of this socket's worker (inside ``run``).
-        float32 and bfloat16 are summed by the C++ collective; other dtypes by torch, after a barrier."""
+        """The sum of every socket's ``partial`` in a new tensor on this socket's node (inside ``run``).
+        float32 and bfloat16 are summed by the C++ collective; other dtypes by torch, after a barrier.
+        On a real topology the result is bound to the socket's node (``numa_empty``): a tensor the
+        worker's allocator recycles may sit on another node's pages."""
         if self.size == 1:
             return partial.clone()
         if partial.dtype in _CPP_DTYPES and self.comm.supports(partial):
-            return self._collective(self.comm.all_reduce, rank, partial)
+            out = None
+            if self._shared.bind:
+                from numatp.placement import numa_empty
+                out = numa_empty(partial.shape, partial.dtype, self.topology.sockets[rank].node)
+            return self._collective(self.comm.all_reduce, rank, partial, out)
         return self._torch_all_reduce(rank, partial)
 
     def _torch_all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
