@@ -95,28 +95,42 @@ inline std::uint16_t float_to_bf16(float f) {
   return static_cast<std::uint16_t>(u >> 16);
 }
 
+constexpr std::int64_t kBlock = 2048;  // elements per OpenMP work item: inner loops vectorize over a block
+
 // out[i] = sum over ranks of src_r[i], i in [lo, hi), ranks in order
 void sum_f32(Comm* c, float* out, std::int64_t lo, std::int64_t hi) {
   const int n = c->size;
-  const float* s0 = static_cast<const float*>(c->slots[0].src);
-  const float* s1 = static_cast<const float*>(c->slots[1].src);
+  const std::int64_t blocks = (hi - lo + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
-  for (std::int64_t i = lo; i < hi; ++i) {
-    float acc = s0[i] + s1[i];
-    for (int r = 2; r < n; ++r) acc += static_cast<const float*>(c->slots[r].src)[i];
-    out[i] = acc;
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    const std::int64_t a = lo + b * kBlock, len = (hi - a < kBlock) ? hi - a : kBlock;
+    float* __restrict o = out + a;
+    const float* __restrict s0 = static_cast<const float*>(c->slots[0].src) + a;
+    const float* __restrict s1 = static_cast<const float*>(c->slots[1].src) + a;
+    for (std::int64_t i = 0; i < len; ++i) o[i] = s0[i] + s1[i];
+    for (int r = 2; r < n; ++r) {
+      const float* __restrict sr = static_cast<const float*>(c->slots[r].src) + a;
+      for (std::int64_t i = 0; i < len; ++i) o[i] += sr[i];
+    }
   }
 }
 
 void sum_bf16(Comm* c, std::uint16_t* out, std::int64_t lo, std::int64_t hi) {
   const int n = c->size;
-  const std::uint16_t* s0 = static_cast<const std::uint16_t*>(c->slots[0].src);
-  const std::uint16_t* s1 = static_cast<const std::uint16_t*>(c->slots[1].src);
+  const std::int64_t blocks = (hi - lo + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
-  for (std::int64_t i = lo; i < hi; ++i) {
-    float acc = bf16_to_float(s0[i]) + bf16_to_float(s1[i]);
-    for (int r = 2; r < n; ++r) acc += bf16_to_float(static_cast<const std::uint16_t*>(c->slots[r].src)[i]);
-    out[i] = float_to_bf16(acc);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    const std::int64_t a = lo + b * kBlock, len = (hi - a < kBlock) ? hi - a : kBlock;
+    alignas(64) float acc[kBlock];
+    const std::uint16_t* __restrict s0 = static_cast<const std::uint16_t*>(c->slots[0].src) + a;
+    const std::uint16_t* __restrict s1 = static_cast<const std::uint16_t*>(c->slots[1].src) + a;
+    for (std::int64_t i = 0; i < len; ++i) acc[i] = bf16_to_float(s0[i]) + bf16_to_float(s1[i]);
+    for (int r = 2; r < n; ++r) {
+      const std::uint16_t* __restrict sr = static_cast<const std::uint16_t*>(c->slots[r].src) + a;
+      for (std::int64_t i = 0; i < len; ++i) acc[i] += bf16_to_float(sr[i]);
+    }
+    std::uint16_t* __restrict o = out + a;
+    for (std::int64_t i = 0; i < len; ++i) o[i] = float_to_bf16(acc[i]);
   }
 }
 

@@ -1,0 +1,107 @@
+"""The cost of one all-reduce between virtual sockets, per size, against memory bandwidth.
+
+For each socket count and size (1 KiB to 64 MiB by default) the socket workers of a group run the
+reduction back to back; the median time of one reduction is printed for numatp's C++ collective and
+for the Python reduction it replaced (each socket posts its partial in a list, waits on a
+``threading.Barrier``, then sums all partials with torch), with the bandwidth the C++ time implies
+(tensor bytes / time) and the target of the runtime issue: 10 us (2 sockets; 20 us from 8) plus the
+tensor's bytes at this machine's memory bandwidth, taken from a copy of the same size on one socket.
+One JSON line per row with ``--json``.
+
+    python benchmarks/collective.py --sockets 2 --dtype float32
+    python benchmarks/collective.py --sockets 2 4 --sizes 1K 64K 1536K 16M --iters 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def _median_us(group, fn, iters: int) -> float:
+    """Median microseconds of one ``fn(rank)`` over ``iters`` back-to-back calls on every socket."""
+    def work(rank: int) -> list[float]:
+        fn(rank)   # warm: allocations, the OpenMP team, first touches
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn(rank)
+            times.append(time.perf_counter() - t0)
+        return times
+
+    per_rank = group.run(work)
+    return 1e6 * statistics.median(max(ts) for ts in zip(*per_rank))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sockets", type=int, nargs="+", default=[2], help="virtual socket counts (default 2)")
+    ap.add_argument("--sizes", nargs="+", default=["1K", "16K", "64K", "256K", "1536K", "4M", "16M", "64M"],
+                    help="tensor sizes in bytes, with K/M suffixes (default 1K ... 64M)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--iters", type=int, default=30, help="timed reductions per size (default 30)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
+    args = ap.parse_args()
+
+    import torch
+
+    from numatp.runtime import SocketGroup
+    from numatp.topology import Topology
+
+    dtype = getattr(torch, args.dtype)
+    cpus = len(os.sched_getaffinity(0))
+    if not args.json:
+        print(f"{'sockets':>7} {'bytes':>10} {'C++ us':>9} {'Python us':>10} {'C++ GB/s':>9} "
+              f"{'copy GB/s':>9} {'target us':>9} {'meets':>5}")
+    for n in args.sockets:
+        if n > cpus:
+            raise SystemExit(f"--sockets {n}: this machine has {cpus} CPUs; virtual sockets need one CPU each")
+        topo = Topology.virtual(sockets=n)
+        with SocketGroup(topo) as group, SocketGroup(topo.whole()) as one:
+            barrier = threading.Barrier(n)
+            slots: list = [None] * n
+            for text in args.sizes:
+                nbytes = _size(text)
+                numel = max(1, nbytes // torch.empty((), dtype=dtype).element_size())
+                parts = group.run(lambda r: torch.randn(numel).to(dtype))
+
+                def cpp(rank: int) -> None:
+                    group.all_reduce(rank, parts[rank])
+
+                def python(rank: int) -> None:
+                    slots[rank] = parts[rank]
+                    barrier.wait()
+                    total = slots[0] + slots[1]
+                    for p in slots[2:]:
+                        total += p
+
+                c_us = _median_us(group, cpp, args.iters)
+                p_us = _median_us(group, python, args.iters)
+                src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
+                copy_us = _median_us(one, lambda r: dst.copy_(src), args.iters)
+                real = numel * src.element_size()
+                copy_gbs = 2 * real / copy_us / 1e3          # read + write
+                target = (10 if n < 8 else 20) + 2 * real / copy_gbs / 1e3
+                row = {"sockets": n, "bytes": real, "dtype": args.dtype, "cpp_us": c_us, "python_us": p_us,
+                       "cpp_gbs": real / c_us / 1e3, "copy_gbs": copy_gbs, "target_us": target,
+                       "meets": c_us <= target}
+                if args.json:
+                    print(json.dumps(row))
+                else:
+                    print(f"{n:>7} {real:>10} {c_us:>9.1f} {p_us:>10.1f} {row['cpp_gbs']:>9.2f} {copy_gbs:>9.2f} "
+                          f"{target:>9.1f} {'yes' if row['meets'] else 'no':>5}")
+
+
+if __name__ == "__main__":
+    main()
