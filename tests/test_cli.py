@@ -144,4 +144,9 @@ def test_demo_runs_baseline_and_numatp_side_by_side():
     r = _numatp("demo", "--tiny", "--warmup", "0", "--iters", "1", "--seq", "32")
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"speedup numatp / baseline: \d+\.\d\dx", r.stdout)
+    # the two sources of speed apart: GEMM providers alone, then sharding on top of them
+    assert re.search(r"from GEMM providers \(numatp unsharded / baseline\): \d+\.\d\dx", r.stdout)
+    assert re.search(r"from sharding over 2 sockets \(sharded / unsharded\): \d+\.\d\dx \(virtual sockets", r.stdout)
+    rows = [line for line in r.stdout.splitlines() if line.startswith(("baseline", "numatp unsharded", "numatp sharded"))]
+    assert len(rows) == 3, r.stdout
     assert "socket 1 weights -> node 0" in r.stdout
