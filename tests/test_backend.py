@@ -50,23 +50,14 @@ def test_runtime_equals_eager(family, dtype, sockets):
     assert all(r["gflops"] for r in rows)
 
 
-@pytest.mark.parametrize("sockets", [1, 2])
-def test_inductor_segments_equal_eager(sockets):
-    # Inductor's own matmuls (gemm=False): the segment count below is exact, whatever this CPU's GEMM rates
-    model, inputs, compiled, expected, actual = _eager_and_compiled("gpt2", torch.float32, sockets, "inductor",
+def test_inductor_one_socket_is_one_segment():
+    # Inductor's own matmuls (gemm=False): the segment count below is exact, whatever this CPU's GEMM rates.
+    # Two sockets under Inductor: tests/test_entry.py::test_dynamic_true_specialises_each_length_under_inductor
+    model, inputs, compiled, expected, actual = _eager_and_compiled("gpt2", torch.float32, 1, "inductor",
                                                                     gemm=False)
-    assert_close_to_eager(actual, expected, f"gpt2 inductor {sockets} sockets")
-    backend = backend_of(compiled)
-    if sockets == 1:
-        assert backend.compiler.compiled == 1  # no collectives: one segment
-    else:
-        assert backend.compiler.reused > 0  # identical layers and sockets share one compilation
-    report = placement_report(compiled)
-    assert [r["socket"] for r in report["ranks"]] == list(range(sockets))
-    # a new shape recompiles correctly
-    with torch.inference_mode():
-        other = zoo.example_inputs(model, batch=1, seq=24)
-        assert_close_to_eager(compiled(**other).logits, model(**other).logits, "new shape")
+    assert_close_to_eager(actual, expected, "gpt2 inductor 1 socket")
+    assert backend_of(compiled).compiler.compiled == 1  # no collectives: one segment
+    assert [r["socket"] for r in placement_report(compiled)["ranks"]] == [0]
 
 
 def test_graph_breaks_give_several_graphs():

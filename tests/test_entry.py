@@ -177,6 +177,8 @@ def test_dynamic_true_specialises_each_length_under_inductor():
     assert len(backend.graphs) == 1, "one Dynamo graph with symbolic sizes"
     assert len(numatp.plans(compiled)) == 2, "one specialised program per length, reused for the repeat"
     assert all(p.reductions == 4 for p in numatp.plans(compiled))
+    assert backend.compiler.reused > 0   # identical layers and sockets share one Inductor compilation
+    assert [r["socket"] for r in numatp.placement_report(compiled)["ranks"]] == [0, 1]
 
 
 def test_sharded_call_peak_memory_is_bounded():

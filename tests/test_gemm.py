@@ -69,9 +69,10 @@ def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
     _check_forced(backend, provider)
 
 
+# Under Inductor a provider runs as the same GEMM step between compiled segments as in eager mode
+# (test_forced_provider_equals_eager covers every provider there): one socket and two, fp32 and bf16
 @pytest.mark.parametrize(("family", "dtype", "provider", "sockets"), [
-    ("gpt2", torch.float32, "mkl_packed", 2), ("gpt2", torch.float32, "onednn_packed", 1),
-    ("llama", torch.bfloat16, "mkl_packed_f32", 2), ("llama", torch.float32, "onednn", 2)])
+    ("gpt2", torch.float32, "onednn_packed", 1), ("llama", torch.bfloat16, "mkl_packed_f32", 2)])
 def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_path):
     assert _supported(provider, dtype), f"{provider} is expected to run {dtype} on every x86-64 CPU torch supports"
     backend = _run(family, dtype, sockets, GemmOptions(force=provider, cache_dir=str(tmp_path)), mode="inductor")
@@ -236,7 +237,8 @@ def test_calibrate_remeasure_gemm_retimes_the_table(tmp_path):
     assert GemmTable(table_dir).get(too_wide) == {"aten": 5.0}
 
 
-@pytest.mark.parametrize(("family", "dtype", "sockets"), [("gpt2", torch.float32, 2), ("llama", torch.bfloat16, 1)])
+# bf16 template kernels: test_inductor_template_compiles_each_weight_for_itself (one compile per weight)
+@pytest.mark.parametrize(("family", "dtype", "sockets"), [("gpt2", torch.float32, 2)])
 def test_inductor_template_provider_equals_eager(family, dtype, sockets, tmp_path):
     # Inductor's C++ GEMM template as a provider: one compile per weight, then any M (seq 16, then 8)
     from torch._dynamo.utils import counters
