@@ -19,7 +19,6 @@ import transformers
 import numatp
 from numatp import zoo
 from numatp.backend import backend_of
-from numatp.topology import Topology
 from tests.helpers import assert_close_to_eager, fresh_dynamo, shared_cpu_topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")

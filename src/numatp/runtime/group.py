@@ -249,8 +249,8 @@ class SocketGroup:
                 if late:
                     stuck = late[0].missing
                     cpus = "; ".join(f"socket {r}: CPUs {_cpus(self.topology, r)}" for r in stuck)
-                    raise SocketError(f"timed out: {late[0]} ({cpus}); raise the group's timeout if the work "
-                                      "between two reductions is that long") from late[0]
+                    raise SocketError(f"timed out: {late[0]} ({cpus}); that socket is stuck, or far slower "
+                                      "than its peers (check what else runs on its CPUs)") from late[0]
                 real = {r: e for r, e in errors.items() if not isinstance(e, GroupAborted)}
                 rank, err = min((real or errors).items())
                 raise SocketError(f"socket {rank} (CPUs {_cpus(self.topology, rank)}) failed: "
