@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  from GEMM providers (numatp unsharded / baseline): {med['baseline'] / med['unsharded']:.2f}x")
     print(f"  from sharding over {topo.num_sockets} sockets (sharded / unsharded): "
           f"{med['unsharded'] / med['sharded']:.2f}x"
-          + (" (virtual sockets on one memory node: no locality to gain, this is the runtime's cost)"
+          + (" (virtual sockets on one memory node: no locality to gain; the difference is the runtime's, "
+             f"{topo.num_sockets} programs on their own CPUs against one on all of them)"
              if topo.is_virtual else ""))
     print(f"all-reduce + barrier: {100 * sync / args.iters / med['sharded']:.1f}% of numatp's prefill "
           "(time in the reductions, waiting for the slowest socket included)")
