@@ -45,9 +45,7 @@ class Options:
     """policy "auto": build and time both plans where the model's predictions lie within this fraction."""
 
     def __post_init__(self) -> None:
-        s = self.sockets
-        if not (s is None or isinstance(s, Topology) or (isinstance(s, int) and not isinstance(s, bool) and s >= 1)):
-            raise ValueError(f"sockets={s!r}: pass None (detect), a positive int or a numatp.Topology")
+        _check_sockets(self.sockets)
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r}: choose 'always', 'never' or 'auto'")
         if self.mode not in MODES:
@@ -74,15 +72,19 @@ class Options:
         return cls(**options)
 
 
+def _check_sockets(s: object) -> None:
+    if not (s is None or isinstance(s, Topology) or (isinstance(s, int) and not isinstance(s, bool) and s >= 1)):
+        raise ValueError(f"sockets={s!r}: pass None (detect), a positive int or a numatp.Topology")
+
+
 def resolve_topology(sockets: None | int | Topology) -> Topology:
     """The topology to run on: detected (``None``), its first N sockets, or N virtual sockets on a one-node machine."""
+    _check_sockets(sockets)
     if isinstance(sockets, Topology):
         return sockets
     detected = Topology.detect()
     if sockets is None:
         return detected
-    if isinstance(sockets, bool) or not isinstance(sockets, int) or sockets < 1:
-        raise ValueError(f"sockets={sockets!r}: pass None (detect), a positive int or a numatp.Topology")
     if detected.num_sockets == 1 and sockets > 1:
         return Topology.virtual(sockets=sockets)
     if sockets > detected.num_sockets:

@@ -39,6 +39,7 @@ above, reduce-scatter + all-gather."""
 _SOURCE = Path(__file__).with_name("collective.cpp")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_MAX_SOCKETS = 64   # kMaxRanks in collective.cpp
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 
@@ -122,15 +123,14 @@ class SocketComm:
     """
 
     def __init__(self, size: int, *, timeout: float = 600.0, fused_bytes: int = FUSED_BYTES):
-        if size < 2:
-            raise ValueError(f"SocketComm(size={size}): a collective needs 2 to 64 sockets")
+        if not 2 <= size <= _MAX_SOCKETS:
+            raise ValueError(f"SocketComm(size={size}): a collective needs 2 to {_MAX_SOCKETS} sockets")
         self.size = size
         self.timeout = float(timeout)
         self.fused_bytes = int(fused_bytes)
         self._lib = library()
         self._comm = self._lib.numatp_comm_new(size)
-        if not self._comm:
-            raise ValueError(f"SocketComm(size={size}): a collective needs 2 to 64 sockets")
+        assert self._comm, "numatp_comm_new refused a size in range"
         self._finalizer = weakref.finalize(self, self._lib.numatp_comm_free, self._comm)
 
     @staticmethod

@@ -31,8 +31,6 @@ from numatp.topology import Topology
 
 __all__ = ["SocketGroup", "SocketError", "GroupAborted", "callers_threads", "pin_threads"]
 
-_CPP_DTYPES = (torch.float32, torch.bfloat16)
-
 
 class SocketError(RuntimeError):
     """A socket's worker raised; the message names the socket, the cause is chained."""
@@ -189,7 +187,7 @@ class SocketGroup:
         worker's allocator recycles may sit on another node's pages."""
         if self.size == 1:
             return partial.clone()
-        if partial.dtype in _CPP_DTYPES and self.comm.supports(partial):
+        if self.comm.supports(partial):
             out = None
             if self._shared.bind:
                 from numatp.placement import numa_empty
