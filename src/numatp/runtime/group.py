@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from numatp.runtime.collective import CollectiveTimeout, CommAborted, SocketComm
 from numatp.topology import Topology
 
 __all__ = ["SocketGroup", "SocketError", "GroupAborted", "callers_threads", "pin_threads"]
@@ -169,7 +170,6 @@ class SocketGroup:
         if shared.comm is None and self.size > 1:
             with shared.comm_lock:
                 if shared.comm is None:
-                    from numatp.runtime.collective import SocketComm
                     shared.comm = SocketComm(self.size, timeout=shared.timeout)
                     if shared.aborted:   # a peer failed before the collective existed
                         shared.comm.abort()
@@ -207,7 +207,6 @@ class SocketGroup:
         return total
 
     def _collective(self, op: Callable, rank: int, *args: Any) -> Any:
-        from numatp.runtime.collective import CommAborted
         try:
             return op(rank, *args)
         except CommAborted:
@@ -242,7 +241,6 @@ class SocketGroup:
             if interrupted is not None:
                 raise interrupted
             if errors:
-                from numatp.runtime.collective import CollectiveTimeout
                 late = [e for e in errors.values() if isinstance(e, CollectiveTimeout)]
                 if late:
                     stuck = late[0].missing
