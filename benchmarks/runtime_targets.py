@@ -1,8 +1,11 @@
-"""Issue targets of the runtime, side by side: torch.compile vs numatp on 1 and on 2 sockets.
+"""Issue targets of the runtime, side by side: torch.compile vs numatp on 1, 2 and 4 virtual sockets.
 
 One child process per (model, sequence, dtype); inside it the modes are compiled, checked against eager,
 warmed up, then timed interleaved (call i of every mode before call i+1 of any), so drift hits all modes
-alike. Prints one JSON line per configuration and a table of ratios at the end.
+alike. The 4-socket mode runs where the process may use at least 4 CPUs. Prints one JSON line per
+configuration and a table at the end: each mode against numatp on 1 socket, and for each sharded mode
+the share of its prefill spent in all-reduces (waiting for the slowest socket included) and in the
+gather of the column-sharded logits.
 
     python benchmarks/runtime_targets.py --models gpt2 gpt2-medium --seqs 128 512 1024 --dtypes float32 bfloat16
 """
@@ -42,6 +45,8 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, f
             "numatp-1": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=1)),
             "numatp-2": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=2)),
         }
+        if cpus >= 4:
+            builders["numatp-4"] = lambda: numatp.compile(model, sockets=Topology.virtual(sockets=4))
         if freezing:
             # options={"freezing": True} does not reach Inductor's config on torch 2.13: patch the config
             builders["baseline-freezing"] = lambda: _frozen(torch.compile(model))
@@ -57,25 +62,30 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, f
         for _ in range(warmup):
             for fn in modes.values():
                 fn(**inputs)
-        backend = numatp.backend.backend_of(modes["numatp-2"])
-        for g in backend.graphs:
-            for v in g.variants.values():
-                v.executor.sync_seconds[:] = [0.0] * len(v.executor.sync_seconds)
+        sharded = [k for k in modes if k.startswith("numatp-") and k != "numatp-1"]
+        executors = {k: [v.executor for g in numatp.backend.backend_of(modes[k]).graphs
+                         for v in g.variants.values()] for k in sharded}
+        for ex in (e for es in executors.values() for e in es):
+            ex.sync_seconds[:] = [0.0] * len(ex.sync_seconds)
+            ex.gather_seconds[:] = [0.0] * len(ex.gather_seconds)
         times: dict[str, list[float]] = {k: [] for k in modes}
         for _ in range(iters):
             for name, fn in modes.items():
                 t0 = time.perf_counter()
                 fn(**inputs)
                 times[name].append(time.perf_counter() - t0)
-        sync = max(max(v.executor.sync_seconds) for g in backend.graphs for v in g.variants.values())
     med = {k: statistics.median(v) for k, v in times.items()}
+    # per mode, the socket that spent the most time in each kind of collective, as a share of a call
+    shares = {k: {"all_reduce": max(map(sum, zip(*(e.sync_seconds for e in es)))) / iters / med[k],
+                  "gather": max(map(sum, zip(*(e.gather_seconds for e in es)))) / iters / med[k]}
+              for k, es in executors.items()}
     return {
         "model": model_name, "seq": seq, "dtype": dtype_name, "cpus": cpus, "iters": iters,
         "median_s": med, "cv": {k: statistics.pstdev(v) / statistics.mean(v) for k, v in times.items()},
         "compile_s": compile_s,
         "ratio_numatp1_vs_baseline": med["baseline"] / med["numatp-1"],
-        "ratio_numatp2_vs_baseline": med["baseline"] / med["numatp-2"],
-        "sync_share_numatp2": sync / iters / med["numatp-2"],
+        "ratio_vs_numatp1": {k: med["numatp-1"] / med[k] for k in sharded},
+        "collective_share": shares,
         **({"ratio_numatp2_vs_freezing": med["baseline-freezing"] / med["numatp-2"]} if freezing else {}),
     }
 
@@ -119,12 +129,19 @@ def main() -> int:
         if a.out:
             with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
-    print(f"\n{'model':<12} {'seq':>5} {'dtype':<9} {'base ms':>8} {'tp1/base':>9} {'tp2/base':>9} "
-          f"{'sync%':>6}" + (f" {'tp2/freeze':>10}" if a.freezing else ""))
+    print("\ntp1/base: numatp on 1 socket against torch.compile (speed ratio, > 1 is faster); tpN/tp1: N virtual "
+          "sockets against 1 (target >= 0.98); ar%: all-reduces, target <= 2%; gat%: the logits' gather")
+    print(f"{'model':<12} {'seq':>5} {'dtype':<9} {'base ms':>8} {'tp1/base':>9} {'tp2/tp1':>8} {'ar2%':>5} "
+          f"{'gat2%':>6} {'tp4/tp1':>8} {'ar4%':>5} {'gat4%':>6}" + (f" {'tp2/freeze':>10}" if a.freezing else ""))
+
+    def cols(r: dict, k: str) -> str:
+        if k not in r["ratio_vs_numatp1"]:
+            return f" {'-':>8} {'-':>5} {'-':>6}"
+        sh = r["collective_share"][k]
+        return f" {r['ratio_vs_numatp1'][k]:>8.3f} {100 * sh['all_reduce']:>5.1f} {100 * sh['gather']:>6.1f}"
     for r in rows:
         line = (f"{r['model']:<12} {r['seq']:>5} {r['dtype']:<9} {1e3 * r['median_s']['baseline']:>8.1f} "
-                f"{r['ratio_numatp1_vs_baseline']:>9.2f} {r['ratio_numatp2_vs_baseline']:>9.2f} "
-                f"{100 * r['sync_share_numatp2']:>6.1f}")
+                f"{r['ratio_numatp1_vs_baseline']:>9.2f}" + cols(r, "numatp-2") + cols(r, "numatp-4"))
         if a.freezing:
             line += f" {r['ratio_numatp2_vs_freezing']:>10.2f}"
         print(line)

@@ -102,13 +102,15 @@ def run(args: argparse.Namespace) -> int:
                 fn(**inputs)
         backend = numatp.backend.backend_of(tp)
         executors = [v.executor for g in backend.graphs for v in g.variants.values() if v.executor is not None]
-        for ex in executors:   # the reductions' share is of the timed calls only
+        for ex in executors:   # the collectives' shares are of the timed calls only
             ex.sync_seconds[:] = [0.0] * len(ex.sync_seconds)
+            ex.gather_seconds[:] = [0.0] * len(ex.gather_seconds)
         for i in range(args.iters):
             for name, fn in modes.items():
                 times[name] += _time(fn, inputs, 0, 1)
     report = numatp.placement_report(tp)
     sync = max(sum(ex.sync_seconds[r] for ex in executors) for r in range(topo.num_sockets))
+    gather = max(sum(ex.gather_seconds[r] for ex in executors) for r in range(topo.num_sockets))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model: {args.model}{' (tiny)' if args.tiny else ''}, batch {args.batch} x seq {args.seq}, {args.dtype}")
     print(f"{'mode':<36} {'median ms':>10} {'cv %':>6} {'compile s':>10}")
@@ -127,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
              if topo.is_virtual else ""))
     print(f"all-reduce + barrier: {100 * sync / args.iters / med['sharded']:.1f}% of numatp's prefill "
           "(time in the reductions, waiting for the slowest socket included)")
+    if gather:
+        print(f"gather of the column-sharded output: {100 * gather / args.iters / med['sharded']:.1f}% "
+              "(each socket copies its columns into the full tensor)")
     for r in report["ranks"]:
         pages = ", ".join(f"node {n}: {c}" for n, c in sorted(r["pages"].items()))
         print(f"socket {r['socket']} weights -> {pages}")

@@ -6,7 +6,9 @@ all-gather over the partials in place), which returns the total in a tensor the 
 its own node's memory; every socket holds the same bits. The partial is dropped as the call returns, so a
 call holds at most the partials of the reduction in progress; a value is dropped from a worker's
 environment after its last use. ``performed`` counts the collectives the workers completed, per kind,
-over all calls.
+over all calls. Per socket, ``sync_seconds`` adds up the time spent in all-reduces (waiting for the
+slowest socket included) and ``gather_seconds`` the time spent gathering a column-sharded output (its
+copy into the full tensor, whose fresh pages fault in as it is written, included).
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class ShardedExecutor:
         self.compiler = compiler
         self.gemm = gemm
         self.programs: list[SocketProgram] = []
-        self.sync_seconds = [0.0] * group.size
+        self.sync_seconds = [0.0] * group.size     # per socket: in all-reduces
+        self.gather_seconds = [0.0] * group.size   # per socket: in all-gathers
         self.swaps: list[dict[int, tuple]] = []
         self.gemm_choices: list[GemmChoice] = []   # per rank, the providers this executor's programs got
         self.performed = {"all_reduce": 0, "all_gather": 0}   # collectives completed by every socket
@@ -116,6 +119,7 @@ class ShardedExecutor:
                 if isinstance(s, Collective) and s.kind == "all_gather":
                     slots[s.tag] = [None] * size
         sync = self.sync_seconds
+        gathered = self.gather_seconds
         performed = self.performed
         group = self.group
 
@@ -133,6 +137,7 @@ class ShardedExecutor:
                         env[step.dst] = group.all_reduce(rank, env[step.src])
                         if rank == 0:   # every socket returned from the collective with the same total
                             performed["all_reduce"] += 1
+                        sync[rank] += time.perf_counter() - t0
                     else:
                         # socket 0 allocates the full tensor, every socket copies its own shard into it at
                         # once; run() returns only after every worker is done, so no second barrier
@@ -147,7 +152,7 @@ class ShardedExecutor:
                         env[step.dst] = slot[0] if rank == 0 else None
                         if rank == 0:
                             performed["all_gather"] += 1
-                    sync[rank] += time.perf_counter() - t0
+                        gathered[rank] += time.perf_counter() - t0
                 for k in frees:
                     env.pop(k, None)
             return [env[o] if isinstance(o, str) else o[1] for o in prog.outputs]
