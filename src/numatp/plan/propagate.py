@@ -19,7 +19,7 @@ from numatp.plan.roles import IDENTITY_OPS, VIEW_OPS
 from numatp.plan.schema import IndexSet
 from numatp.plan.views import ViewError, map_shard_through_view
 
-__all__ = ["Shard", "NodeInfo", "Unsupported", "propagate", "ATTENTION_OPS"]
+__all__ = ["Shard", "NodeInfo", "Unsupported", "GroupSplit", "propagate", "ATTENTION_OPS", "kv_head_sets"]
 
 aten = torch.ops.aten
 
@@ -55,12 +55,26 @@ class Unsupported(Exception):
         self.reason = reason
 
 
+class GroupSplit(Unsupported):
+    """Grouped-query attention whose K/V heads are not split along the query heads' groups (replicated K/V
+    projections, or a socket whose query heads span K/V groups unevenly): the pass retries the block with
+    group-aware column sets (``numatp.plan.tp_pass``)."""
+
+    def __init__(self, block: int, reason: str, q_heads: int, kv_heads: int):
+        super().__init__(block, reason)
+        self.q_heads = q_heads
+        self.kv_heads = kv_heads
+
+
 ATTENTION_OPS = {
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten.scaled_dot_product_attention.default,
 }
+# attention ops that take fewer K/V heads than query heads themselves (CPU flash attention does; the
+# composite SDPA does with enable_gqa=True): query head h reads K/V head h // (query heads / K/V heads)
+_NATIVE_GQA = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 _REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
                aten.var_mean.correction, aten.var.correction, aten.std.correction, aten.logsumexp.default}
 _SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default}
@@ -109,7 +123,7 @@ def _inputs(node: torch.fx.Node) -> list[tuple[Any, torch.fx.Node]]:
     return out
 
 
-def _rule(node: torch.fx.Node, info: NodeInfo) -> Layout:
+def _rule(node: torch.fx.Node, info: NodeInfo, grouped: set[int]) -> Layout:
     t = node.target
     if t is __import__("operator").getitem:
         src = node.args[0].meta["numatp"].layout
@@ -176,6 +190,12 @@ def _rule(node: torch.fx.Node, info: NodeInfo) -> Layout:
             raise Unsupported(block, f"{_where(node)} leaves a socket with nothing of the sharded dimension")
         info.slice_dim = dim
         return Shard(dim, sets, block)
+    if t is aten.select.int:
+        dim = node.args[1] % len(_shape(x))
+        if dim == lay.dim:
+            raise Unsupported(block, f"{_where(node)} selects one index of the sharded dimension")
+        # e.g. Bloom's per-head interleaved q|k|v: (B, S, heads, 3, hd) -> select(3, i) keeps heads sharded
+        return Shard(lay.dim - (dim < lay.dim), lay.sets, block)
     if t is aten.cat.default:
         dim = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(node))
         shard = _align(ins, node, info)
@@ -196,8 +216,8 @@ def _rule(node: torch.fx.Node, info: NodeInfo) -> Layout:
         out = Shard(d, lay.sets, block)
         return tuple(out for _ in node.meta["val"]) if isinstance(node.meta["val"], (tuple, list)) else out
     if t in ATTENTION_OPS:
-        return _attention(node, info, block)
-    if t is aten.bmm.default:
+        return _attention(node, info, block, grouped)
+    if t in (aten.bmm.default, aten.baddbmm.default):   # baddbmm: Bloom's ALiBi bias + q @ k^T
         shard = _align(ins, node, info)
         if shard.dim != 0:
             raise Unsupported(block, f"{_where(node)} multiplies along the sharded dimension")
@@ -207,19 +227,51 @@ def _rule(node: torch.fx.Node, info: NodeInfo) -> Layout:
     raise Unsupported(block, f"{_where(node)} has no sharding rule")
 
 
-def _attention(node: torch.fx.Node, info: NodeInfo, block: int) -> Layout:
+def kv_head_sets(q_sets: tuple[IndexSet, ...], q_heads: int, kv_heads: int) -> tuple[IndexSet, ...] | None:
+    """Per socket, the K/V heads its query heads read under grouped-query attention, or None where a
+    socket's query heads do not map onto its K/V heads as one local GQA layout (local query head ``i``
+    reading local K/V head ``i // (local query heads / local K/V heads)``)."""
+    group = q_heads // kv_heads
+    out = []
+    for s in q_sets:
+        heads = s.indices()
+        need = sorted({h // group for h in heads})
+        if not heads or len(heads) % len(need):
+            return None
+        per = len(heads) // len(need)
+        if any(need[i // per] != h // group for i, h in enumerate(heads)):
+            return None
+        out.append(IndexSet.of(need))
+    return tuple(out)
+
+
+def _attention(node: torch.fx.Node, info: NodeInfo, block: int, grouped: set[int]) -> Layout:
     q, k, v = node.args[:3]
     lq = q.meta["numatp"].layout
     if not isinstance(lq, Shard) or lq.dim != 1:
         raise Unsupported(block, f"{_where(node)}: queries are not split by heads")
-    hq = _shape(q)[1]
+    hq, hkv = _shape(q)[1], _shape(k)[1]
+    if hkv != hq:
+        native = node.target in _NATIVE_GQA or (node.target is aten.scaled_dot_product_attention.default
+                                                and node.kwargs.get("enable_gqa", False))
+        if not native or hq % hkv:
+            raise Unsupported(block, f"{_where(node)}: {hkv} K/V heads for {hq} query heads, which this "
+                                     "attention op does not group")
+    need = kv_head_sets(lq.sets, hq, hkv)
+    if need is None:
+        raise GroupSplit(block, f"{_where(node)}: a socket's query heads span the {hkv} K/V groups unevenly",
+                         hq, hkv)
     for key, t in ((1, k), (2, v)):
         lt = t.meta["numatp"].layout
-        if _shape(t)[1] != hq:
-            raise Unsupported(block, f"{_where(node)}: grouped K/V heads reach attention unexpanded")
         if lt is None:
-            info.slice_inputs[key] = Shard(1, lq.sets, block)
-        elif (lt.dim, lt.sets) != (1, lq.sets):
+            if hkv < hq and block not in grouped:
+                # replicated K/V projections (fewer K/V heads than sockets): retry with each socket
+                # computing the K/V heads its query heads read
+                raise GroupSplit(block, f"{_where(node)}: K/V heads replicated", hq, hkv)
+            info.slice_inputs[key] = Shard(1, need, block)
+        elif (lt.dim, lt.sets) != (1, need):
+            if hkv < hq and block not in grouped:
+                raise GroupSplit(block, f"{_where(node)}: K/V heads are split unlike the query groups", hq, hkv)
             raise Unsupported(block, f"{_where(node)}: K/V heads are split unlike the query heads")
     mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
     if isinstance(mask, torch.fx.Node):
@@ -237,11 +289,13 @@ def _attention(node: torch.fx.Node, info: NodeInfo, block: int) -> Layout:
 
 
 def propagate(gm: torch.fx.GraphModule, column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]],
-              rows: dict[torch.fx.Node, int], lm_heads: set[torch.fx.Node]) -> None:
+              rows: dict[torch.fx.Node, int], lm_heads: set[torch.fx.Node], grouped: set[int] = frozenset()) -> None:
     """Annotate every node with its :class:`NodeInfo`.
 
     ``column_sets`` maps a column (or LM-head) matmul to ``(block, per-socket output sets)``; ``rows`` maps a
-    row matmul to its block. Raises :class:`Unsupported` naming the block that cannot be sharded.
+    row matmul to its block; ``grouped`` holds the blocks whose column sets already follow their K/V
+    groups. Raises :class:`Unsupported` naming the block that cannot be sharded (:class:`GroupSplit` where
+    group-aware sets may help).
     """
     for node in gm.graph.nodes:
         info = NodeInfo()
@@ -266,4 +320,4 @@ def propagate(gm: torch.fx.GraphModule, column_sets: dict[torch.fx.Node, tuple[i
             info.layout = None
             info.row_input = lx
         else:
-            info.layout = _rule(node, info)
+            info.layout = _rule(node, info, grouped)

@@ -106,10 +106,19 @@ def find_blocks(
     return blocks
 
 
+def _slice_bounds(node: torch.fx.Node, size: int) -> tuple[int, int]:
+    """``[start, end)`` of an ``aten.slice`` of a dimension of ``size``, negatives and overshoot resolved."""
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else size
+    start, end = (v + size if v < 0 else v for v in (start, end))
+    return max(0, min(start, size)), max(0, min(end, size))
+
+
 def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
     """``(offset, length, unit)`` pieces of a column matmul's output features, from how its users read them.
 
-    A ``split`` along the features cuts a fused projection into pieces (GPT-2's c_attn: q, k, v); the first
+    A ``split`` or ``slice`` along the features cuts a fused projection into pieces (GPT-2's c_attn: q, k,
+    v; Phi-3's qkv_proj and gate_up_proj); the first
     view that splits the features (``(B, S, 768) -> (B, S, 12, 64)``) gives the unit a shard must respect
     (a whole head). Pieces without such a view get unit 1.
     """
@@ -151,6 +160,16 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
                 for g in user.users:
                     k = g.args[1]
                     todo.append((g, dim, offset + starts[k], sizes[k]))
+            elif t is aten.slice.Tensor:
+                sdim = (user.args[1] if len(user.args) > 1 else 0) % len(shape)
+                if sdim != dim:
+                    todo.append((user, dim, offset, length))
+                    continue
+                start, end = _slice_bounds(user, shape[dim])
+                if end > start and (user.args[4] if len(user.args) > 4 else 1) == 1:
+                    # a fused projection read in parts (q | k | v, gate | up): each part is its own piece
+                    cuts.update((offset + start, offset + end))
+                    todo.append((user, dim, offset + start, end - start))
             elif t in IDENTITY_OPS or (hasattr(t, "tags") and torch.Tag.pointwise in t.tags):
                 if tuple(user.meta["val"].shape)[-len(shape):] == shape:
                     todo.append((user, dim + user.meta["val"].dim() - len(shape), offset, length))

@@ -35,6 +35,15 @@ class IndexSet:
     def range(lo: int, hi: int) -> IndexSet:
         return IndexSet(((lo, hi),))
 
+    @staticmethod
+    def of(indices: list[int] | set[int]) -> IndexSet:
+        """The set of ``indices`` (any order, repeats allowed)."""
+        return IndexSet(tuple((i, i + 1) for i in indices))
+
+    def scaled(self, unit: int) -> IndexSet:
+        """Each index ``i`` becomes the run ``[i * unit, (i + 1) * unit)``: whole heads to their features."""
+        return IndexSet(tuple((lo * unit, hi * unit) for lo, hi in self.intervals))
+
     def __len__(self) -> int:
         return sum(hi - lo for lo, hi in self.intervals)
 

@@ -16,15 +16,18 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx
 
-from numatp.plan.propagate import ATTENTION_OPS, Shard, Unsupported, propagate
+from numatp.plan.propagate import ATTENTION_OPS, GroupSplit, Shard, Unsupported, propagate
 from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, column_segments, find_blocks, find_weight_matmuls
 from numatp.plan.schema import (Block, Colwise, IndexSet, Plan, Replicate, Rowwise, WeightPlan, even_split)
 from numatp.plan.trace import AtenGraph
 
-__all__ = ["plan_graph", "replica_users", "BlockCandidate", "Decider"]
+__all__ = ["plan_graph", "replica_users", "group_head_sets", "BlockCandidate", "Decider"]
 
 aten = torch.ops.aten
 _SOFTMAX = {aten._softmax.default, aten._safe_softmax.default}
+# what marks a block as attention: an attention op, a softmax, or the batched products of the math path
+# (Inductor's decompositions turn softmax into exp / sum, so the products are what remains)
+_ATTENTION_MARKS = ATTENTION_OPS | _SOFTMAX | {aten.bmm.default, aten.baddbmm.default}
 
 
 @dataclass(frozen=True)
@@ -52,10 +55,24 @@ def _module(names: list[str]) -> str:
     return ".".join(common) or ", ".join(".".join(p) for p in parts)
 
 
-def _column_sets(col: WeightMatmul, sockets: int) -> tuple[IndexSet, ...] | None:
-    """Per-socket output sets of a column matmul, or None if a piece has fewer units than sockets."""
+def _column_sets(col: WeightMatmul, sockets: int,
+                 groups: tuple[int, int] | None = None) -> tuple[IndexSet, ...] | None:
+    """Per-socket output sets of a column matmul, or None if a piece has fewer units than sockets.
+
+    ``groups`` = (query heads, K/V heads) of the block's grouped-query attention: pieces of that many
+    heads are split along the K/V groups (:func:`group_head_sets`), K/V heads shared where sockets
+    outnumber them.
+    """
     per_rank: list[list[tuple[int, int]]] = [[] for _ in range(sockets)]
     for offset, length, unit in column_segments(col):
+        heads = length // unit if unit > 1 else 0
+        if groups is not None and heads in groups:
+            sets = group_head_sets(heads, *groups, sockets)
+            if sets is None:
+                return None
+            for r, s in enumerate(sets):
+                per_rank[r] += s.scaled(unit).shifted(offset).intervals
+            continue
         if unit == 1 and length % (16 * sockets) == 0:
             unit = 16  # whole vector-register-sized groups keep the local GEMMs aligned
         if length // unit < sockets:
@@ -63,6 +80,30 @@ def _column_sets(col: WeightMatmul, sockets: int) -> tuple[IndexSet, ...] | None
         for r, s in enumerate(even_split(length, sockets, unit)):
             per_rank[r] += s.shifted(offset).intervals
     return tuple(IndexSet(tuple(iv)) for iv in per_rank)
+
+
+def group_head_sets(heads: int, q_heads: int, kv_heads: int, sockets: int) -> tuple[IndexSet, ...] | None:
+    """Per socket, the heads (query heads if ``heads == q_heads``, else K/V heads) of grouped-query
+    attention split along its K/V groups, or None where that is impossible.
+
+    With K/V heads a multiple of the sockets, each socket owns whole groups (its K/V heads and their
+    query heads). With sockets a multiple of the K/V heads, the sockets sharing one K/V head split its
+    query heads and each computes that K/V head itself: the K/V sets overlap, which costs the K/V
+    projection's compute and bytes once per sharing socket and saves an all-gather inside attention.
+
+    >>> [str(s) for s in group_head_sets(14, 14, 2, 4)], [str(s) for s in group_head_sets(2, 14, 2, 4)]
+    (['0:4', '4:7', '7:11', '11:14'], ['0:1', '0:1', '1:2', '1:2'])
+    """
+    group = q_heads // kv_heads
+    if kv_heads % sockets == 0:
+        kv = even_split(kv_heads, sockets)
+        return kv if heads == kv_heads else tuple(s.scaled(group) for s in kv)
+    share, rest = divmod(sockets, kv_heads)
+    if rest or group < share:
+        return None
+    if heads == kv_heads:
+        return tuple(IndexSet.range(r // share, r // share + 1) for r in range(sockets))
+    return tuple(even_split(group, share)[r % share].shifted((r // share) * group) for r in range(sockets))
 
 
 def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: Decider | None = None) -> Plan:
@@ -90,6 +131,7 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
     accepted: dict[torch.fx.Node, str] = {}  # row -> the decider's reason to shard
     no_lm_head: set[torch.fx.Node] = set()
     narrowed: set[torch.fx.Node] = set()   # rows whose block retries with only the widest columns split
+    grouped: dict[torch.fx.Node, tuple[int, int]] = {}  # rows whose block retries split along its K/V groups
     predicted = None
     if policy == "auto":
         # only blocks the pass can actually shard count: a block it must replicate (a norm over the
@@ -105,9 +147,12 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
         column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]] = {}
         rows: dict[torch.fx.Node, int] = {}
         members: list[tuple[WeightMatmul | None, list[WeightMatmul], list[WeightMatmul]]] = []
+        grouped_ids: set[int] = set()
         for row, cols in blocks:
             bid = len(members)
-            sets = {c.node: _column_sets(c, sockets) for c in cols}
+            if row.node in grouped:
+                grouped_ids.add(bid)
+            sets = {c.node: _column_sets(c, sockets, grouped.get(row.node)) for c in cols}
             if row.node in narrowed:
                 # K/V heads that split unlike the query heads: replicate the narrower projections
                 widest = max(c.out_features for c in cols)
@@ -136,10 +181,16 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
             lm_heads.add(m.node)
             members.append((None, [m], []))
         try:
-            propagate(gm, column_sets, rows, lm_heads)
+            propagate(gm, column_sets, rows, lm_heads, grouped_ids)
             break
         except Unsupported as e:
             row, cols, _ = members[e.block]
+            if isinstance(e, GroupSplit) and row is not None and row.node not in grouped:
+                if group_head_sets(e.q_heads, e.q_heads, e.kv_heads, sockets) is not None:
+                    grouped[row.node] = (e.q_heads, e.kv_heads)
+                    continue
+                e = Unsupported(e.block, f"{e.q_heads} query heads in {e.kv_heads} K/V groups cannot be split "
+                                         f"along the groups over {sockets} sockets")
             if row is None:
                 no_lm_head.add(cols[0].node)
                 reasons[cols[0].node] = ("lm_head", _module([names[cols[0].param]]), e.reason)
@@ -195,7 +246,7 @@ def _has_attention(row: WeightMatmul, cols: list[WeightMatmul]) -> bool:
         if n in seen or n in stops:
             continue
         seen.add(n)
-        if n.target in ATTENTION_OPS or n.target in _SOFTMAX:
+        if n.target in _ATTENTION_MARKS:
             return True
         todo.extend(n.all_input_nodes)
     return False
@@ -225,7 +276,7 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
     gathers = 0
     for node in gm.graph.nodes:
         info = node.meta["numatp"]
-        if node.target in ATTENTION_OPS or node.target in _SOFTMAX:
+        if node.target in _ATTENTION_MARKS:
             lay = [a.meta["numatp"].layout for a in node.all_input_nodes]
             for l in lay:
                 if isinstance(l, Shard):
