@@ -16,7 +16,8 @@ import torch
 import transformers
 
 import numatp
-from numatp.plan import Colwise, IndexSet
+from numatp import zoo
+from numatp.plan import Colwise, IndexSet, capture, plan_graph
 from numatp.plan.propagate import kv_head_sets
 from numatp.plan.tp_pass import group_head_sets
 from tests.helpers import assert_close_to_eager, fresh_dynamo, shared_cpu_topology
@@ -108,3 +109,16 @@ def test_kv_head_sets_finds_each_sockets_kv_heads_or_refuses():
     # an even split of 14 heads: socket 1 would hold heads 4-7, of both groups, 3 + 1: no local GQA layout
     uneven = (IndexSet.range(0, 4), IndexSet.range(4, 8), IndexSet.range(8, 11), IndexSet.range(11, 14))
     assert kv_head_sets(uneven, 14, 2) is None
+
+
+@pytest.mark.parametrize("sockets", [2, 4])
+@pytest.mark.parametrize("name", zoo.PRESETS)
+def test_every_preset_shards_every_layer_block(name, sockets):
+    # plan only, at the tiny twins' shapes (the full presets: tests/test_full_presets.py, slow)
+    model = zoo.build(name, tiny=True)
+    (ag, _), = capture(model, **zoo.example_inputs(model, batch=1, seq=16))
+    plan = plan_graph(ag, sockets)
+    layer_blocks = [b for b in plan.blocks if b.kind == "attention" or ".layer" in b.module or ".h." in b.module]
+    assert len(layer_blocks) == 2 * model.config.num_hidden_layers
+    assert all(b.sharded for b in layer_blocks), [(b.module, b.reason) for b in layer_blocks if not b.sharded]
+    assert plan.reductions == 2 * model.config.num_hidden_layers

@@ -12,6 +12,7 @@ HEAD_CLASSES = {
     "bert": ("BertForMaskedLM", "BertModel"),
     "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextModel"),
     "llama": ("LlamaForCausalLM", "LlamaModel"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Model"),
 }
 
 # Published parameter counts of the source checkpoints (model cards / config arithmetic).
@@ -23,6 +24,8 @@ PUBLISHED = {
     "bert-large": 336e6,
     "gemma3-270m": 268e6,
     "llama": 1.1e9,
+    "qwen2.5-0.5b": 494e6,
+    "llama-3.2-1b": 1.24e9,
 }
 
 
@@ -34,8 +37,9 @@ def _one_thread():
     torch.set_num_threads(old)
 
 
-def test_presets_are_the_seven_models():
-    assert PRESETS == ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m", "llama")
+def test_presets_are_the_nine_models():
+    assert PRESETS == ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m", "llama",
+                       "qwen2.5-0.5b", "llama-3.2-1b")
 
 
 @pytest.mark.parametrize("head", [True, False], ids=["head", "base"])
@@ -82,7 +86,8 @@ def test_weights_are_deterministic_by_seed(name: str):
     assert all(torch.isfinite(p).all() for p in a.parameters())
 
 
-@pytest.mark.parametrize(("name", "tied"), [("gpt2", True), ("gemma3-270m", True), ("llama", False)])
+@pytest.mark.parametrize(("name", "tied"), [("gpt2", True), ("gemma3-270m", True), ("llama", False),
+                                            ("qwen2.5-0.5b", True), ("llama-3.2-1b", True)])
 def test_tied_embeddings_are_kept(name: str, tied: bool):
     model = build(name, tiny=True)
     same = model.get_output_embeddings().weight is model.get_input_embeddings().weight

@@ -77,3 +77,24 @@ def test_all_reduce_result_is_on_each_sockets_node(topology):
     for rank, (out, pages) in enumerate(seen):
         assert torch.equal(out, torch.full((64, 1024), float(total)))
         assert set(pages) == {topology.sockets[rank].node}, f"socket {rank}: pages {pages}"
+
+
+def test_grouped_query_attention_places_each_sockets_kv_heads_on_its_node(topology):
+    # Qwen2's 14 query heads in 2 K/V groups: on 2 nodes each socket owns a group; on 4, two sockets share
+    # each K/V head and both hold its columns of k_proj/v_proj, on their own node
+    from numatp.plan import Colwise
+    from tests.test_families import _model
+
+    model = _model("qwen2")
+    ids = torch.randint(0, 256, (1, 8))
+    compiled = numatp.compile(model, sockets=topology, mode="eager", strict_placement=True)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits,
+                                   atol=2e-5, rtol=1e-4)
+    (plan,) = numatp.plans(compiled)
+    assert all(b.sharded for b in plan.blocks if b.kind in ("attention", "mlp"))
+    (k,) = plan.weights["model.layers.0.self_attn.k_proj.weight"]
+    assert isinstance(k.placement, Colwise)
+    report = numatp.placement_report(compiled)
+    for rank in report["ranks"]:
+        assert set(rank["pages"]) == {rank["node"]}, f"socket {rank['socket']}: pages {rank['pages']}"

@@ -26,7 +26,8 @@ from numatp.zoo._presets import FULL, MLP_KIND, TINY
 
 __all__ = ["PRESETS", "build", "config", "describe", "example_inputs"]
 
-PRESETS: tuple[str, ...] = ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m", "llama")
+PRESETS: tuple[str, ...] = ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m", "llama",
+                            "qwen2.5-0.5b", "llama-3.2-1b")
 
 _INIT_STD = 0.02
 
@@ -36,6 +37,7 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "bert": ("BertForMaskedLM", "BertModel"),
     "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextModel"),
     "llama": ("LlamaForCausalLM", "LlamaModel"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Model"),
 }
 
 _ATTN_IMPLEMENTATIONS = ("sdpa", "eager")

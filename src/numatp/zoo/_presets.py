@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from transformers import BertConfig, Gemma3TextConfig, GPT2Config, LlamaConfig, PretrainedConfig
+from transformers import BertConfig, Gemma3TextConfig, GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config
 
 __all__: list[str] = []  # private module: the public surface is numatp.zoo
 
@@ -101,6 +101,45 @@ def _llama(
     )
 
 
+def _qwen2(*, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 151936,
+           positions: int = 32768) -> Qwen2Config:
+    # GQA with biased q/k/v projections, SwiGLU, RoPE base 1e6, tied embeddings.
+    return Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_act="silu",
+        max_position_embeddings=positions,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+    )
+
+
+def _llama3(*, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 128256,
+            positions: int = 131072) -> LlamaConfig:
+    # Llama 3.2: GQA, SwiGLU, RoPE base 5e5 with Llama 3's frequency scaling, tied embeddings.
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        hidden_act="silu",
+        max_position_embeddings=positions,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        tie_word_embeddings=True,
+    )
+
+
 # google/gemma-3-270m: 18 layers as three blocks of 5 sliding + 1 full.
 _GEMMA3_270M_LAYERS = (["sliding_attention"] * 5 + ["full_attention"]) * 3
 
@@ -121,6 +160,10 @@ FULL: dict[str, Callable[[], PretrainedConfig]] = {
     ),
     # TinyLlama/TinyLlama-1.1B-Chat-v1.0
     "llama": lambda: _llama(layers=22, hidden=2048, heads=32, kv_heads=4, intermediate=5632),
+    # Qwen/Qwen2.5-0.5B: 14 query heads in 2 K/V groups
+    "qwen2.5-0.5b": lambda: _qwen2(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864),
+    # meta-llama/Llama-3.2-1B: 32 query heads in 8 K/V groups
+    "llama-3.2-1b": lambda: _llama3(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192),
 }
 
 # Tiny twins: 2 layers, vocab 512, 128 positions. Head layouts keep the full ones: gemma 1 KV
@@ -143,7 +186,13 @@ TINY: dict[str, Callable[[], PretrainedConfig]] = {
         positions=128,
     ),
     "llama": lambda: _llama(layers=2, hidden=256, heads=32, kv_heads=4, intermediate=704, vocab=512, positions=128),
+    # 14 / 2 heads as the full model (head_dim 8), so 4 sockets share each K/V head
+    "qwen2.5-0.5b": lambda: _qwen2(layers=2, hidden=112, heads=14, kv_heads=2, intermediate=256, vocab=512,
+                                   positions=128),
+    "llama-3.2-1b": lambda: _llama3(layers=2, hidden=256, heads=32, kv_heads=8, intermediate=512, vocab=512,
+                                    positions=128),
 }
 
 # Short tags for describe(): which MLP each family uses.
-MLP_KIND: dict[str, str] = {"gpt2": "gelu", "bert": "gelu", "gemma3_text": "geglu", "llama": "swiglu"}
+MLP_KIND: dict[str, str] = {"gpt2": "gelu", "bert": "gelu", "gemma3_text": "geglu", "llama": "swiglu",
+                            "qwen2": "swiglu"}
