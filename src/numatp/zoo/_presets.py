@@ -82,11 +82,12 @@ def _gemma3(
     )
 
 
-def _llama(
-    *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 32000, positions: int = 2048
-) -> LlamaConfig:
-    # GQA + SwiGLU (silu gate) + RoPE base 1e4, untied LM head.
-    return LlamaConfig(
+def _swiglu_decoder(
+    cls: type[PretrainedConfig], *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
+    vocab: int, positions: int, eps: float, rope: dict, tied: bool, **extra,
+) -> PretrainedConfig:
+    # The Llama layout that Llama, Qwen2 and their kin share: GQA, SwiGLU (silu gate), RMSNorm, RoPE.
+    return cls(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=intermediate,
@@ -95,49 +96,32 @@ def _llama(
         num_key_value_heads=kv_heads,
         hidden_act="silu",
         max_position_embeddings=positions,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
+        rms_norm_eps=eps,
+        rope_parameters=rope,
+        tie_word_embeddings=tied,
+        **extra,
     )
 
 
-def _qwen2(*, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 151936,
-           positions: int = 32768) -> Qwen2Config:
-    # GQA with biased q/k/v projections, SwiGLU, RoPE base 1e6, tied embeddings.
-    return Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        hidden_act="silu",
-        max_position_embeddings=positions,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-    )
+def _llama(*, vocab: int = 32000, positions: int = 2048, **sizes) -> LlamaConfig:
+    # TinyLlama: RoPE base 1e4, untied LM head.
+    return _swiglu_decoder(LlamaConfig, vocab=vocab, positions=positions, eps=1e-5,
+                           rope={"rope_type": "default", "rope_theta": 10000.0}, tied=False, **sizes)
 
 
-def _llama3(*, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int = 128256,
-            positions: int = 131072) -> LlamaConfig:
-    # Llama 3.2: GQA, SwiGLU, RoPE base 5e5 with Llama 3's frequency scaling, tied embeddings.
-    return LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        hidden_act="silu",
-        max_position_embeddings=positions,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        tie_word_embeddings=True,
-    )
+def _qwen2(*, vocab: int = 151936, positions: int = 32768, **sizes) -> Qwen2Config:
+    # Qwen2.5: biased q/k/v projections, RoPE base 1e6, tied embeddings.
+    return _swiglu_decoder(Qwen2Config, vocab=vocab, positions=positions, eps=1e-6,
+                           rope={"rope_type": "default", "rope_theta": 1000000.0}, tied=True,
+                           use_sliding_window=False, **sizes)
+
+
+def _llama3(*, vocab: int = 128256, positions: int = 131072, **sizes) -> LlamaConfig:
+    # Llama 3.2: RoPE base 5e5 with Llama 3's frequency scaling, tied embeddings.
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    return _swiglu_decoder(LlamaConfig, vocab=vocab, positions=positions, eps=1e-5, rope=rope, tied=True,
+                           head_dim=sizes["hidden"] // sizes["heads"], **sizes)
 
 
 # google/gemma-3-270m: 18 layers as three blocks of 5 sliding + 1 full.
