@@ -73,7 +73,7 @@ def test_every_block_sharded_and_equal_to_eager(family, sockets):
             replicated = [(b.kind, b.module, b.reason) for b in plan.blocks if not b.sharded]
             assert sharded.count("attention") == LAYERS and sharded.count("mlp") >= LAYERS, replicated
             assert "lm_head" in sharded, replicated
-            assert plan.reductions == 2 * LAYERS
+            assert plan.reductions == 2 * LAYERS + 1   # and one for the vocabulary-parallel embedding
 
 
 def test_gqa_with_fewer_kv_heads_than_sockets_computes_each_sockets_own_kv_head():
@@ -121,4 +121,33 @@ def test_every_preset_shards_every_layer_block(name, sockets):
     layer_blocks = [b for b in plan.blocks if b.kind == "attention" or ".layer" in b.module or ".h." in b.module]
     assert len(layer_blocks) == 2 * model.config.num_hidden_layers
     assert all(b.sharded for b in layer_blocks), [(b.module, b.reason) for b in layer_blocks if not b.sharded]
-    assert plan.reductions == 2 * model.config.num_hidden_layers
+    assert plan.reductions == 2 * model.config.num_hidden_layers + 1
+
+
+@pytest.mark.parametrize("sockets", [2, 4])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_vocabulary_parallel_embedding(family, sockets):
+    # GPT-2 ties its LM head to the table: one shard per socket serves both; Llama's are separate
+    fresh_dynamo()
+    model = zoo.build(family, tiny=True)
+    vocab = model.config.vocab_size
+    compiled = numatp.compile(model, sockets=shared_cpu_topology(sockets), mode="eager")
+    # the first and last row of every quarter of the table: both edges of each socket's range
+    edges = [q * vocab // 4 + d for q in range(4) for d in (0, vocab // 4 - 1)]
+    ids = torch.tensor([edges + [7, 300, 129, 511 % vocab]])
+    with torch.inference_mode():
+        assert_close_to_eager(compiled(input_ids=ids).logits, model(input_ids=ids).logits,
+                              f"{family} on {sockets} sockets")
+    plan = numatp.plans(compiled)[0]
+    table = "lm_head.weight" if family == "gpt2" else "model.embed_tokens.weight"
+    uses = plan.weights[table]
+    assert len(uses) == 1 and isinstance(uses[0].placement, Colwise), uses
+    splits = uses[0].placement.splits
+    assert [len(s.intervals) for s in splits] == [1] * sockets
+    assert sorted(i for s in splits for i in s.indices()) == list(range(vocab))
+    (block,) = [b for b in plan.blocks if b.kind == "embedding" and b.sharded]
+    assert ("tied LM head" in block.reason) == (family == "gpt2")
+    # each socket holds its rows only: the table's bytes are split, not copied
+    row_bytes = uses[0].nbytes // vocab
+    assert [uses[0].local_bytes(r) for r in range(sockets)] == [len(s) * row_bytes for s in splits]
+    assert plan.reductions == 2 * model.config.num_hidden_layers + 1

@@ -34,14 +34,16 @@ def test_reference_equals_eager(traced, sockets):
     (logits,) = run_reference(programs, real)
     assert_close_to_eager(logits, expected, f"{family} on {sockets} sockets")
     layers = model.config.num_hidden_layers
-    assert plan.reductions == 2 * layers
+    # two per layer and one for the vocabulary-parallel embedding lookup
+    assert plan.reductions == 2 * layers + 1
     reduce_nodes = [n for n in programs[0].gm.graph.nodes if n.target is torch.ops.numatp.all_reduce.default]
-    assert len(reduce_nodes) == 2 * layers
+    assert len(reduce_nodes) == 2 * layers + 1
     assert plan.gathers == 1  # the LM head's logits
     sharded = [b for b in plan.blocks if b.sharded]
     assert sum(b.kind == "attention" for b in sharded) == layers
     assert sum(b.kind == "mlp" for b in sharded) == layers
     assert sum(b.kind == "lm_head" for b in sharded) == 1
+    assert sum(b.kind == "embedding" for b in sharded) == 1
 
 
 @pytest.mark.parametrize("sockets", [2, 3])
@@ -148,10 +150,13 @@ def test_auto_policy_follows_the_graph_total(sharded_wins):
 
     plan = plan_graph(ag, 2, policy="auto", decide=decide)
     assert sorted(seen) == ["attention", "attention", "mlp", "mlp"]
-    blocks = [b for b in plan.blocks if b.kind != "lm_head"]
+    blocks = [b for b in plan.blocks if b.kind not in ("lm_head", "embedding")]
     assert all(b.sharded == sharded_wins for b in blocks)
+    # the vocabulary table is sharded with the graph (GPT-2's position table stays replicated)
+    tables = {b.module: b.sharded for b in plan.blocks if b.kind == "embedding"}
+    assert tables == ({"lm_head": True, "transformer.wpe": False} if sharded_wins else {})
     assert all("test decider" in b.reason for b in blocks)
-    assert plan.reductions == (4 if sharded_wins else 0)
+    assert plan.reductions == (5 if sharded_wins else 0)
 
 
 def test_auto_policy_counts_only_blocks_the_pass_can_shard():

@@ -310,10 +310,11 @@ def _plain(gm: torch.fx.GraphModule, args: list[Any], mode: str) -> Callable:
 
 def runs_unsharded(plan: Plan, policy: str) -> bool:
     """Whether the backend runs ``plan`` unsharded on all cores rather than as socket programs: policy
-    "never", or "auto" where no block (LM head aside) is sharded. Replicated blocks in socket programs
+    "never", or "auto" where no block (LM head and embedding aside) is sharded. Replicated blocks in socket programs
     would run whole on each socket's share of the cores, never faster than one program on all of them
     (plain Inductor, or with GEMM providers on, one numatp program on one socket of all CPUs)."""
-    return policy == "never" or (policy == "auto" and not any(b.sharded for b in plan.blocks if b.kind != "lm_head"))
+    layer_blocks = [b for b in plan.blocks if b.kind not in ("lm_head", "embedding")]
+    return policy == "never" or (policy == "auto" and not any(b.sharded for b in layer_blocks))
 
 
 def default_decider(topology: Topology) -> Callable:

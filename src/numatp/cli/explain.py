@@ -148,13 +148,13 @@ def run(args: argparse.Namespace) -> int:
         for b in g["blocks"]:
             decision = "sharded" if b["sharded"] else "replicated"
             detail = b["reason"]
-            if b["sharded"]:
+            if b["sharded"] and b["kind"] != "embedding":
                 cols = ", ".join(c.rsplit(".", 2)[-2] for c in b["columns"])
                 detail = f"columns [{cols}]" + (f" -> row {b['row'].rsplit('.', 2)[-2]}" if b["row"] else "") + \
                     f"; {b['reason']}"
             print(f"{b['module']:<36} {b['kind']:<10} {decision:<12} {detail}")
         rep = sorted({w["name"] for w in g["weights"] if w["placement"] == "Replicate"})
-        print(f"\nreplicated on every socket ({len(rep)} tensors: norms, embeddings, biases after reductions, "
+        print(f"\nreplicated on every socket ({len(rep)} tensors: norms, small embeddings, biases after reductions, "
               "K/V of too few heads): " + ", ".join(r.rsplit(".", 1)[0] for r in rep[:6]) + (" ..." if len(rep) > 6 else ""))
         print(f"cross-socket reductions: {g['reductions']} all-reduce, {g['gathers']} gather")
         print(f"weights: {g['model_bytes'] / _MIB:.1f} MiB, {100 * g['sharded_fraction']:.1f}% sharded; per socket: "

@@ -3,7 +3,8 @@
 The program of socket r has the same structure as the global graph, with
 - each sharded parameter replaced by socket r's shard (a placeholder of local shape),
 - shape constants of views, expands, splits and slices rewritten to socket r's sizes,
-- ``numatp::all_reduce`` right after each row-parallel matmul, before its bias,
+- ``numatp::all_reduce`` right after each row-parallel matmul, before its bias, and after each
+  vocabulary-parallel lookup (the ids outside the socket's rows look up zeros),
 - ``numatp::all_gather`` before each sharded value that leaves the program,
 - replicated values that meet sharded ones cut to socket r's indices.
 """
@@ -91,6 +92,8 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
         for u in p.users:
             if u in by_node and u.meta["numatp"].role:
                 _shard_placeholders(u, by_node[u], weight)
+            elif u.meta["numatp"].role == "vocab" and u.args[0] is p:
+                weight(p, Colwise(0, u.meta["numatp"].vocab_sets))
             for v in u.users if u.target in TRANSPOSE_OPS else ():
                 if v in by_node and v.meta["numatp"].role:
                     _shard_placeholders(v, by_node[v], weight)
@@ -112,6 +115,10 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
                 else:
                     outs.append(env[a] if isinstance(a, torch.fx.Node) else a)
             g.output(tuple(outs))
+            continue
+        if info.role == "vocab":
+            env[node] = g.call_function(numatp_ops.all_reduce.default, (_lookup(g, node, env, weight, rank), tag))
+            tag += 1
             continue
         if info.role is not None:
             m = by_node[node]
@@ -137,6 +144,20 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
         env[node] = _copy(g, node, env, rank)
     g.lint()
     return LocalProgram(rank, torch.fx.GraphModule(ag.gm, g), bindings)
+
+
+def _lookup(g: torch.fx.Graph, node: torch.fx.Node, env: dict, weight, rank: int) -> torch.fx.Node:
+    """Socket ``rank``'s part of a vocabulary-parallel ``embedding(table, ids)``: its rows ``[lo, hi)``
+    looked up at ``ids - lo`` where ``lo <= ids < hi``, zero rows elsewhere (summed over sockets: the lookup)."""
+    table, ids = node.args[0], env[node.args[1]]
+    sets = node.meta["numatp"].vocab_sets
+    (lo, hi), = sets[rank].intervals
+    shard = weight(table, Colwise(0, sets))
+    inside = g.call_function(aten.bitwise_and.Tensor, (g.call_function(aten.ge.Scalar, (ids, lo)),
+                                                       g.call_function(aten.lt.Scalar, (ids, hi))))
+    local = g.call_function(aten.mul.Tensor, (g.call_function(aten.sub.Tensor, (ids, lo)), inside))
+    rows = g.call_function(aten.embedding.default, (shard, local))
+    return g.call_function(aten.mul.Tensor, (rows, g.call_function(aten.unsqueeze.default, (inside, -1))))
 
 
 def _shard_placeholders(node, m: WeightMatmul, weight):

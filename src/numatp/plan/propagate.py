@@ -39,13 +39,14 @@ class NodeInfo:
     """What the pass decided for one node (``node.meta["numatp"]``)."""
 
     layout: Any = None
-    role: str | None = None          # "column", "row", "lm_head" for weight matmuls
+    role: str | None = None          # "column", "row", "lm_head" for weight matmuls; "vocab" for a lookup
     block: int | None = None
     local_shape: bool = False        # replace the shape argument with the socket-local output shape
     split_dim: int | None = None     # split along the shard dim: rewrite to local split_with_sizes
     slice_dim: int | None = None     # slice along the shard dim: rewrite start/end to local positions
     slice_inputs: dict[Any, Shard] = field(default_factory=dict)  # replicated inputs to cut locally
     row_input: Shard | None = None   # a row matmul's sharded input: its weight rows are sliced the same way
+    vocab_sets: tuple[IndexSet, ...] | None = None   # a vocabulary-parallel lookup: each socket's table rows
 
 
 class Unsupported(Exception):

@@ -113,7 +113,7 @@ Placement = Colwise | Rowwise | Replicate
 class Block:
     """One attention, MLP or LM-head block as the pass found it, and what it decided."""
 
-    kind: Literal["attention", "mlp", "lm_head"]
+    kind: Literal["attention", "mlp", "lm_head", "embedding"]
     module: str
     columns: tuple[str, ...]
     row: str | None

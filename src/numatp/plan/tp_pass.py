@@ -25,6 +25,7 @@ __all__ = ["plan_graph", "replica_users", "group_head_sets", "BlockCandidate", "
 
 aten = torch.ops.aten
 _SOFTMAX = {aten._softmax.default, aten._safe_softmax.default}
+_EMBEDDING = aten.embedding.default
 # what marks a block as attention: an attention op, a softmax, or the batched products of the math path
 # (Inductor's decompositions turn softmax into exp / sum, so the products are what remains)
 _ATTENTION_MARKS = ATTENTION_OPS | _SOFTMAX | {aten.bmm.default, aten.baddbmm.default}
@@ -200,8 +201,53 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
                 excluded |= {row.node, *(c.node for c in cols)}
                 kind = "attention" if _has_attention(row, cols) else "mlp"
                 reasons[row.node] = (kind, _module([names[m.param] for m in [*cols, row]]), e.reason)
-    plan = _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node)
+    tables = _shard_vocabulary(gm, params, names, column_sets, by_node, sockets) if policy != "never" else {}
+    plan = _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node, tables)
     return replace(plan, predicted=predicted) if predicted else plan
+
+
+def _embedding_tables(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """Each 2-D parameter that ``aten.embedding`` looks up, with its lookups."""
+    tables: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.target is _EMBEDDING and n.args[0] in params and n.args[0].meta["val"].dim() == 2:
+            tables.setdefault(n.args[0], []).append(n)
+    return tables
+
+
+def _shard_vocabulary(gm, params, names, column_sets, by_node, sockets) -> dict[torch.fx.Node, str | None]:
+    """Make the largest embedding table vocabulary-parallel: socket r holds a contiguous range of its rows,
+    looks up the ids in that range (zeros elsewhere), and one all-reduce sums the lookups. A tied LM head
+    keeps its own column sets and the table takes the same ones, so both read one shard. Returns every
+    table with None where sharded, else why it stays replicated."""
+    tables = _embedding_tables(gm, params)
+    if not tables:
+        return {}
+    vocab = max(tables, key=lambda p: p.meta["val"].numel())
+    out: dict[torch.fx.Node, str | None] = {}
+    for p in tables:
+        if p is not vocab:
+            rows, width = p.meta["val"].shape
+            out[p] = (f"small table ({rows} x {width}) beside the {tuple(vocab.meta['val'].shape)} vocabulary: "
+                      "replicated, sharding it would add an all-reduce for little memory")
+    rows = vocab.meta["val"].shape[0]
+    heads = [m for m in by_node.values() if m.param is vocab and m.node in column_sets]
+    sets = (column_sets[heads[0].node][1] if heads
+            else even_split(rows, sockets, 16 if rows % (16 * sockets) == 0 else 1))
+    if rows < sockets or any(len(s.intervals) != 1 for s in sets):
+        out[vocab] = f"{rows} rows cannot be split into one contiguous range per socket over {sockets} sockets"
+        return out
+    for n in tables[vocab]:
+        n.meta["numatp"].role = "vocab"
+        n.meta["numatp"].vocab_sets = sets
+    readers = replica_users(vocab, by_node)
+    if readers:   # e.g. a tied LM head the pass left replicated: the whole table is on every socket anyway
+        for n in tables[vocab]:
+            n.meta["numatp"].role, n.meta["numatp"].vocab_sets = None, None
+        out[vocab] = f"read whole by {readers[0].target} ({readers[0].name}): replicated"
+        return out
+    out[vocab] = None
+    return out
 
 
 def _auto(blocks, names, sockets, decide, accepted, reasons) -> tuple[str, dict[str, float] | None]:
@@ -263,15 +309,16 @@ def _candidate(row: WeightMatmul, cols: list[WeightMatmul], module: str) -> Bloc
 
 
 def replica_users(param: torch.fx.Node, by_node: dict[torch.fx.Node, WeightMatmul]) -> list[torch.fx.Node]:
-    """Users of a parameter that read it whole: everything but sharded matmuls and their transposes."""
+    """Users of a parameter that read it whole: everything but sharded matmuls, their transposes and
+    vocabulary-parallel lookups."""
     def sharded_use(u: torch.fx.Node) -> bool:
-        if u in by_node and u.meta["numatp"].role:
+        if (u in by_node or u.target is _EMBEDDING) and u.meta["numatp"].role:
             return True
         return u.target in TRANSPOSE_OPS and all(sharded_use(v) for v in u.users)
     return [u for u in param.users if not sharded_use(u)]
 
 
-def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node) -> Plan:
+def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node, tables) -> Plan:
     kinds: dict[int, str] = {}
     gathers = 0
     for node in gm.graph.nodes:
@@ -304,14 +351,33 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
                             tuple(names[c.param] for c in rep)))
     for node, (kind, module, why) in reasons.items():
         blocks.append(Block(kind, module, (), names[by_node[node].param], False, why))
+    for p, why in tables.items():
+        name = names[p]
+        if why is None:
+            lo_hi = ", ".join(f"{s.intervals[0][0]}:{s.intervals[0][1]}"
+                              for s in next(n for n in p.users if n.target is _EMBEDDING).meta["numatp"].vocab_sets)
+            tied = any(m.param is p and m.node.meta["numatp"].role for m in by_node.values())
+            blocks.append(Block("embedding", name.rsplit(".", 1)[0], (name,), None, True,
+                                f"vocabulary-parallel: rows {lo_hi} per socket, lookups summed by one all-reduce"
+                                + ("; the same shards as the tied LM head" if tied else "")))
+        else:
+            blocks.append(Block("embedding", name.rsplit(".", 1)[0], (), None, False, why))
     for node in gm.graph.nodes:
         info = node.meta["numatp"]
+        if info.role == "vocab" and node.args[0] in params:
+            p = node.args[0]
+            use = WeightPlan(names[p], _shape(p), _isz(p), Colwise(0, info.vocab_sets))
+            if use not in uses[p]:   # a tied LM head's shard is the same tensor
+                uses[p].append(use)
+            continue
         if info.role is None or node not in by_node:
             continue
         m = by_node[node]
         if info.role in ("column", "lm_head"):
             sets = info.layout.sets
-            uses[m.param].append(WeightPlan(names[m.param], _shape(m.param), _isz(m.param), Colwise(m.out_dim, sets)))
+            use = WeightPlan(names[m.param], _shape(m.param), _isz(m.param), Colwise(m.out_dim, sets))
+            if use not in uses[m.param]:
+                uses[m.param].append(use)
             if m.bias is not None:
                 uses[m.bias].append(WeightPlan(names[m.bias], _shape(m.bias), _isz(m.bias), Colwise(0, sets)))
         else:
@@ -320,7 +386,7 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
     for p in params:
         if replica_users(p, by_node) or not uses[p]:
             uses[p].append(WeightPlan(names[p], _shape(p), _isz(p), Replicate()))
-    rows = sum(1 for n in gm.graph.nodes if n.meta["numatp"].role == "row")
+    rows = sum(1 for n in gm.graph.nodes if n.meta["numatp"].role in ("row", "vocab"))
     blocks.sort(key=lambda b: b.module)
     return Plan(sockets, tuple(blocks), {names[p]: tuple(u) for p, u in uses.items()}, rows, gathers)
 

@@ -59,6 +59,10 @@ def trace_aten(
             tracing_mode="real",
             pre_dispatch=False,
         )(*fake_args)
+    # dead values the trace leaves behind (bf16 GPT-2: a cast of the tied weight's transpose nobody reads)
+    # would count as readers of a whole weight; ops with side effects are kept
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
     is_param = [isinstance(a, torch.nn.Parameter) for a in example_inputs]
     readable = []
     for i, a in enumerate(example_inputs):
