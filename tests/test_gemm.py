@@ -67,6 +67,11 @@ def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
     # seq 8 after seq 16: the second variant reuses the operands packed for M = 32 at M = 16
     backend = _run(family, dtype, 2, GemmOptions(force=provider, cache_dir=str(tmp_path)), seqs=(16, 8))
     _check_forced(backend, provider)
+    # every weight matmul got the provider, the LM head included: GPT-2's is tied to the vocabulary
+    # table, whose lookup keeps its own plain rows while the LM head reads the packed ones
+    per_layer = {"gpt2": 4, "llama": 7}[family]
+    for rank in (0, 1):
+        assert len({r["weight"] for r in backend.gemm_report() if r["rank"] == rank}) == 2 * per_layer + 1
 
 
 # Under Inductor a provider runs as the same GEMM step between compiled segments as in eager mode

@@ -39,7 +39,10 @@ class WeightStore:
     def get(self, param: torch.Tensor, b: Binding, rank: int) -> torch.Tensor:
         p = b.placement
         key = (id(param), type(p).__name__, getattr(p, "dim", None),
-               str(p.splits[rank]) if not isinstance(p, Replicate) else None, rank)
+               str(p.splits[rank]) if not isinstance(p, Replicate) else None, b.lookup, rank)
+        twin = (*key[:-2], not b.lookup, rank)
+        if key not in self._made and twin in self._made and not hasattr(self._made[twin], "_numatp_gemm"):
+            self._made[key] = self._made[twin]   # a lookup and a tied LM head share one plain shard
         if key not in self._made:
             self._keep.append(param)
             with torch.no_grad():
@@ -55,9 +58,10 @@ class WeightStore:
 
     def replace(self, rank: int, plain: torch.Tensor, prepared: torch.Tensor) -> None:
         """From now on hand out ``prepared`` (e.g. a GEMM-packed weight made on the socket) where ``rank``
-        got ``plain``; the store drops its reference to ``plain``, so no second copy stays alive here."""
+        got ``plain`` for a matmul; the store drops its reference to ``plain``, so no second copy stays alive
+        here, unless a vocabulary-parallel lookup reads the same rows (a tied table keeps its plain shard)."""
         for key, t in self._made.items():
-            if key[-1] == rank and t is plain:
+            if key[-1] == rank and t is plain and not key[-2]:
                 self._made[key] = prepared
 
     def mark(self) -> set[tuple]:

@@ -35,6 +35,9 @@ class Binding:
 
     index: int
     placement: Placement | None  # None: an activation input, passed through as is
+    lookup: bool = False
+    """A vocabulary-parallel lookup's rows: the same shard as a tied LM head's, kept plain (unpacked) when
+    the LM head's operand is replaced by a GEMM-packed one."""
 
 
 @dataclass
@@ -73,12 +76,12 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
     bindings: list[Binding] = []
     weights: dict[tuple[torch.fx.Node, str, int], torch.fx.Node] = {}
 
-    def weight(p: torch.fx.Node, placement: Placement) -> torch.fx.Node:
-        key = (p, type(placement).__name__, getattr(placement, "dim", -1))
+    def weight(p: torch.fx.Node, placement: Placement, lookup: bool = False) -> torch.fx.Node:
+        key = (p, type(placement).__name__, getattr(placement, "dim", -1), lookup)
         if key not in weights:
             idx = placeholders.index(p)
-            weights[key] = g.placeholder(f"{p.name}_{type(placement).__name__.lower()}")
-            bindings.append(Binding(idx, placement))
+            weights[key] = g.placeholder(f"{p.name}_{type(placement).__name__.lower()}{'_rows' if lookup else ''}")
+            bindings.append(Binding(idx, placement, lookup))
         return weights[key]
 
     # placeholders first: activations, then replicated weights, then shards (created below in order)
@@ -93,7 +96,7 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
             if u in by_node and u.meta["numatp"].role:
                 _shard_placeholders(u, by_node[u], weight)
             elif u.meta["numatp"].role == "vocab" and u.args[0] is p:
-                weight(p, Colwise(0, u.meta["numatp"].vocab_sets))
+                weight(p, Colwise(0, u.meta["numatp"].vocab_sets), lookup=True)
             for v in u.users if u.target in TRANSPOSE_OPS else ():
                 if v in by_node and v.meta["numatp"].role:
                     _shard_placeholders(v, by_node[v], weight)
@@ -152,7 +155,7 @@ def _lookup(g: torch.fx.Graph, node: torch.fx.Node, env: dict, weight, rank: int
     table, ids = node.args[0], env[node.args[1]]
     sets = node.meta["numatp"].vocab_sets
     (lo, hi), = sets[rank].intervals
-    shard = weight(table, Colwise(0, sets))
+    shard = weight(table, Colwise(0, sets), lookup=True)
     inside = g.call_function(aten.bitwise_and.Tensor, (g.call_function(aten.ge.Scalar, (ids, lo)),
                                                        g.call_function(aten.lt.Scalar, (ids, hi))))
     local = g.call_function(aten.mul.Tensor, (g.call_function(aten.sub.Tensor, (ids, lo)), inside))
