@@ -13,6 +13,7 @@ HEAD_CLASSES = {
     "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextModel"),
     "llama": ("LlamaForCausalLM", "LlamaModel"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Model"),
+    "phi3": ("Phi3ForCausalLM", "Phi3Model"),
 }
 
 # Published parameter counts of the source checkpoints (model cards / config arithmetic).
@@ -26,6 +27,7 @@ PUBLISHED = {
     "llama": 1.1e9,
     "qwen2.5-0.5b": 494e6,
     "llama-3.2-1b": 1.24e9,
+    "phi-3-mini": 3.82e9,
 }
 
 
@@ -37,9 +39,9 @@ def _one_thread():
     torch.set_num_threads(old)
 
 
-def test_presets_are_the_nine_models():
+def test_presets_are_the_ten_models():
     assert PRESETS == ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m", "llama",
-                       "qwen2.5-0.5b", "llama-3.2-1b")
+                       "qwen2.5-0.5b", "llama-3.2-1b", "phi-3-mini")
 
 
 @pytest.mark.parametrize("head", [True, False], ids=["head", "base"])
@@ -186,3 +188,13 @@ def test_local_checkpoint_round_trip(name: str, tmp_path):
     assert describe(str(tmp_path))["parameters"] == describe(name, tiny=True)["parameters"]
     with pytest.raises(ValueError, match="tiny=True applies to presets only"):
         build(str(tmp_path), tiny=True)
+
+
+def test_weights_that_do_not_fit_are_refused_with_the_way_out(monkeypatch):
+    # phi-3-mini's 3.8B parameters are 14.2 GiB in fp32: against 10 GiB free, building is refused before
+    # anything is allocated, and the message names bf16 (7.1 GiB) and the tiny twin
+    import numatp.zoo as zoo_module
+    monkeypatch.setattr(zoo_module, "_available_bytes", lambda: 10 * 2**30)
+    with pytest.raises(MemoryError, match=r"'phi-3-mini' in float32 needs 14.2 GiB.*10.0 GiB available.*bfloat16.*tiny"):
+        build("phi-3-mini")
+    assert build("phi-3-mini", tiny=True) is not None

@@ -71,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
           "; ".join(f"socket {s.index} = node {s.node}, CPUs {format_cpulist(s.cpus)}" for s in topo.sockets))
     dtype = getattr(torch, args.dtype)
     _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype}, random weights)")
-    model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
+    try:
+        model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
+    except MemoryError as e:
+        print(f"numatp demo: {e}", file=sys.stderr)
+        return 2
     inputs = zoo.example_inputs(model, batch=args.batch, seq=args.seq)
     with torch.inference_mode():
         expected = model(**inputs).logits

@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         info = explain(args.model, sockets=args.sockets, batch=args.batch, seq=args.seq, dtype=args.dtype,
                        policy=args.policy, tiny=args.tiny, gemm=args.gemm)
-    except ValueError as e:
+    except (ValueError, MemoryError) as e:
         print(f"numatp explain: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -27,7 +27,7 @@ from numatp.zoo._presets import FULL, MLP_KIND, TINY
 __all__ = ["PRESETS", "build", "config", "describe", "example_inputs"]
 
 PRESETS: tuple[str, ...] = ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m", "llama",
-                            "qwen2.5-0.5b", "llama-3.2-1b")
+                            "qwen2.5-0.5b", "llama-3.2-1b", "phi-3-mini")
 
 _INIT_STD = 0.02
 
@@ -38,6 +38,7 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextModel"),
     "llama": ("LlamaForCausalLM", "LlamaModel"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Model"),
+    "phi3": ("Phi3ForCausalLM", "Phi3Model"),
 }
 
 _ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -120,6 +121,31 @@ def _check_attn(attn_implementation: str) -> None:
         )
 
 
+def _available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_memory(name: str, cfg: PretrainedConfig, *, head: bool, dtype: torch.dtype) -> None:
+    """Refuse, with the way out, to build random weights that would not fit in this machine's free memory
+    (building would be killed by the kernel instead)."""
+    need = _count_parameters(cfg, head=head) * torch.empty(0, dtype=dtype).element_size()
+    free = _available_bytes()
+    if free is not None and need > 0.9 * free:
+        raise MemoryError(
+            f"{name!r} in {str(dtype).removeprefix('torch.')} needs {need / 2**30:.1f} GiB of weights and this "
+            f"machine has {free / 2**30:.1f} GiB available; pass dtype=torch.bfloat16 (`--dtype bfloat16`: "
+            "half the bytes, the same blocks and plan) or tiny=True (`--tiny`) for the 2-layer twin"
+        )
+
+
 def build(
     name_or_path: str,
     *,
@@ -154,6 +180,7 @@ def build(
 
     cfg = _resolve_config(name_or_path, tiny=tiny)
     cls = _model_class(cfg, head=head)
+    _check_memory(name_or_path, cfg, head=head, dtype=dtype)
     # Skip torch's and transformers' default init (slow kaiming_uniform over ~1B parameters);
     # _fill_random then writes every parameter once.
     with no_init_weights():

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from transformers import BertConfig, Gemma3TextConfig, GPT2Config, LlamaConfig, PretrainedConfig, Qwen2Config
+from transformers import (BertConfig, Gemma3TextConfig, GPT2Config, LlamaConfig, Phi3Config, PretrainedConfig,
+                          Qwen2Config)
 
 __all__: list[str] = []  # private module: the public surface is numatp.zoo
 
@@ -124,6 +125,15 @@ def _llama3(*, vocab: int = 128256, positions: int = 131072, **sizes) -> LlamaCo
                            head_dim=sizes["hidden"] // sizes["heads"], **sizes)
 
 
+def _phi3(*, vocab: int = 32064, positions: int = 4096, window: int = 2047, pad: int = 32000,
+          **sizes) -> Phi3Config:
+    # Phi-3-mini: fused qkv_proj and gate_up_proj (each cut into its parts by slices), MHA, RoPE base 1e4,
+    # untied LM head, a sliding window one short of the context.
+    return _swiglu_decoder(Phi3Config, vocab=vocab, positions=positions, eps=1e-5,
+                           rope={"rope_type": "default", "rope_theta": 10000.0}, tied=False,
+                           sliding_window=window, pad_token_id=pad, eos_token_id=pad, **sizes)
+
+
 # google/gemma-3-270m: 18 layers as three blocks of 5 sliding + 1 full.
 _GEMMA3_270M_LAYERS = (["sliding_attention"] * 5 + ["full_attention"]) * 3
 
@@ -148,6 +158,8 @@ FULL: dict[str, Callable[[], PretrainedConfig]] = {
     "qwen2.5-0.5b": lambda: _qwen2(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864),
     # meta-llama/Llama-3.2-1B: 32 query heads in 8 K/V groups
     "llama-3.2-1b": lambda: _llama3(layers=16, hidden=2048, heads=32, kv_heads=8, intermediate=8192),
+    # microsoft/Phi-3-mini-4k-instruct (3.8B: 15.3 GB in fp32, 7.6 GB in bf16)
+    "phi-3-mini": lambda: _phi3(layers=32, hidden=3072, heads=32, kv_heads=32, intermediate=8192),
 }
 
 # Tiny twins: 2 layers, vocab 512, 128 positions. Head layouts keep the full ones: gemma 1 KV
@@ -175,8 +187,11 @@ TINY: dict[str, Callable[[], PretrainedConfig]] = {
                                    positions=128),
     "llama-3.2-1b": lambda: _llama3(layers=2, hidden=256, heads=32, kv_heads=8, intermediate=512, vocab=512,
                                     positions=128),
+    # a window of 16 so that sequences past it use the sliding mask
+    "phi-3-mini": lambda: _phi3(layers=2, hidden=128, heads=8, kv_heads=8, intermediate=256, vocab=512,
+                                positions=128, window=16, pad=0),
 }
 
 # Short tags for describe(): which MLP each family uses.
 MLP_KIND: dict[str, str] = {"gpt2": "gelu", "bert": "gelu", "gemma3_text": "geglu", "llama": "swiglu",
-                            "qwen2": "swiglu"}
+                            "qwen2": "swiglu", "phi3": "swiglu"}
