@@ -3,7 +3,9 @@
 Each family brings a form of attention or projection the pass must shard: grouped-query attention through
 SDPA's native grouping (Llama, Qwen2 with 14 query heads in 2 K/V groups, Mistral with a sliding window),
 one K/V head (Gemma 3), fused QKV and gate/up projections cut by slices (Phi-3), eager math attention
-with soft-capping (Gemma 2), per-head interleaved fused QKV with an ALiBi bias (Bloom), an encoder
+with soft-capping (Gemma 2), per-head interleaved fused QKV with an ALiBi bias (Bloom), one fused
+projection for the query heads and a single K and V head read by slice and index, attention and MLP in
+parallel (Falcon), an encoder
 with a masked-LM head (RoBERTa). Every attention and MLP block must be sharded, two reductions per layer,
 and the result must equal eager, with no mask and with a padding mask. The threaded runtime runs the
 socket programs (uncompiled segments: what is checked is the pass and the runtime, not Inductor).
@@ -39,18 +41,22 @@ CONFIGS = {
     "gemma3": lambda: transformers.Gemma3TextConfig(**_COMMON, num_attention_heads=4, num_key_value_heads=1,
                                                     head_dim=16, sliding_window=6),
     "bloom": lambda: transformers.BloomConfig(vocab_size=256, hidden_size=64, n_layer=LAYERS, n_head=8),
+    "falcon": lambda: transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=LAYERS,
+                                                num_attention_heads=8, multi_query=True, parallel_attn=True,
+                                                new_decoder_architecture=False, bias=False),
     "roberta": lambda: transformers.RobertaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=LAYERS,
                                                   num_attention_heads=4, intermediate_size=128,
                                                   max_position_embeddings=66),
 }
 
 
-def _model(family: str) -> torch.nn.Module:
+def _model(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     cls = transformers.AutoModelForMaskedLM if family == "roberta" else transformers.AutoModelForCausalLM
     cfg = CONFIGS[family]()
     # transformers runs Gemma 2 and Bloom with their eager (math) attention only
-    return cls.from_config(cfg, attn_implementation="eager" if family in ("gemma2", "bloom") else "sdpa").eval()
+    attn = "eager" if family in ("gemma2", "bloom") else "sdpa"
+    return cls.from_config(cfg, attn_implementation=attn, dtype=dtype).eval()
 
 
 @pytest.mark.parametrize("sockets", [2, 4])
@@ -74,6 +80,18 @@ def test_every_block_sharded_and_equal_to_eager(family, sockets):
             assert sharded.count("attention") == LAYERS and sharded.count("mlp") >= LAYERS, replicated
             assert "lm_head" in sharded, replicated
             assert plan.reductions == 2 * LAYERS + 1   # and one for the vocabulary-parallel embedding
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_bf16_equal_to_eager_within_rounding(family):
+    fresh_dynamo()
+    model = _model(family, torch.bfloat16)
+    ids = torch.randint(5, 250, (1, 12), generator=torch.Generator().manual_seed(2))
+    compiled = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    with torch.inference_mode():
+        assert_close_to_eager(compiled(input_ids=ids).logits, model(input_ids=ids).logits, f"{family} bf16")
+    sharded = [b.kind for b in numatp.plans(compiled)[0].blocks if b.sharded]
+    assert sharded.count("attention") == LAYERS and "embedding" in sharded
 
 
 def test_gqa_with_fewer_kv_heads_than_sockets_computes_each_sockets_own_kv_head():

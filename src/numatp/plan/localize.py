@@ -18,7 +18,7 @@ import torch.fx
 
 from numatp.plan import ops  # noqa: F401  (registers numatp::all_reduce / all_gather)
 from numatp.plan.propagate import Shard
-from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, find_weight_matmuls
+from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, find_weight_matmuls, slice_bounds
 from numatp.plan.schema import Colwise, IndexSet, Placement, Replicate, Rowwise
 from numatp.plan.tp_pass import replica_users
 from numatp.plan.trace import AtenGraph
@@ -189,15 +189,17 @@ def _copy(g: torch.fx.Graph, node: torch.fx.Node, env: dict, rank: int) -> torch
     x = node.args[0] if node.args else None
     if info.local_shape:
         args[1] = _local_shape(node, rank)
+    if info.index_at is not None:
+        dim, at = info.index_at
+        lo, _ = node.args[0].meta["numatp"].layout.sets[rank].local_range(at, at + 1)
+        here = g.call_function(aten.full.default, ([1], lo), {"dtype": torch.int64})
+        args[1] = [here if d == dim else ix for d, ix in enumerate(args[1])]
     if info.split_dim is not None:
         sizes = [len(p.sets[rank]) for p in info.layout]
         return g.call_function(aten.split_with_sizes.default, (args[0], sizes, info.split_dim))
     if info.slice_dim is not None:
         lay = x.meta["numatp"].layout
-        full = x.meta["val"].shape[info.slice_dim]
-        start = node.args[2] if len(node.args) > 2 else 0
-        end = min(node.args[3] if len(node.args) > 3 else full, full)
-        lo, hi = lay.sets[rank].local_range(start % full if start < 0 else start, end)
+        lo, hi = lay.sets[rank].local_range(*slice_bounds(node, x.meta["val"].shape[info.slice_dim]))
         args = [args[0], info.slice_dim, lo, hi]
     new = g.call_function(node.target, tuple(args), kwargs) if node.op == "call_function" else \
         g.node_copy(node, lambda n: env[n])

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from numatp.plan.roles import IDENTITY_OPS, VIEW_OPS
+from numatp.plan.roles import IDENTITY_OPS, VIEW_OPS, constant_index, slice_bounds
 from numatp.plan.schema import IndexSet
 from numatp.plan.views import ViewError, map_shard_through_view
 
@@ -47,6 +47,7 @@ class NodeInfo:
     slice_inputs: dict[Any, Shard] = field(default_factory=dict)  # replicated inputs to cut locally
     row_input: Shard | None = None   # a row matmul's sharded input: its weight rows are sliced the same way
     vocab_sets: tuple[IndexSet, ...] | None = None   # a vocabulary-parallel lookup: each socket's table rows
+    index_at: tuple[int, int] | None = None   # index of one position along the shard dim: (dim, global position)
 
 
 class Unsupported(Exception):
@@ -77,7 +78,9 @@ ATTENTION_OPS = {
 # composite SDPA does with enable_gqa=True): query head h reads K/V head h // (query heads / K/V heads)
 _NATIVE_GQA = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 _REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default,
-               aten.var_mean.correction, aten.var.correction, aten.std.correction, aten.logsumexp.default}
+               aten.var_mean.correction, aten.var.correction, aten.std.correction, aten.logsumexp.default,
+               # the math attention's check for fully masked rows
+               aten.any.dim, aten.any.dims, aten.all.dim}
 _SOFTMAX = {aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default}
 
 
@@ -182,8 +185,7 @@ def _rule(node: torch.fx.Node, info: NodeInfo, grouped: set[int]) -> Layout:
         dim = (node.args[1] if len(node.args) > 1 else 0) % len(_shape(x))
         if dim != lay.dim:
             return lay
-        start = node.args[2] if len(node.args) > 2 else 0
-        end = min(node.args[3] if len(node.args) > 3 else _shape(x)[dim], _shape(x)[dim])
+        start, end = slice_bounds(node, _shape(x)[dim])
         if (node.args[4] if len(node.args) > 4 else 1) != 1:
             raise Unsupported(block, f"{_where(node)} slices the sharded dimension with a step")
         sets = tuple(s.clip(start, end) for s in lay.sets)
@@ -191,6 +193,19 @@ def _rule(node: torch.fx.Node, info: NodeInfo, grouped: set[int]) -> Layout:
             raise Unsupported(block, f"{_where(node)} leaves a socket with nothing of the sharded dimension")
         info.slice_dim = dim
         return Shard(dim, sets, block)
+    if t is aten.index.Tensor and isinstance(x, torch.fx.Node) and x.meta["numatp"].layout is lay:
+        at = constant_index(node, lay.dim)
+        if at is None:
+            raise Unsupported(block, f"{_where(node)} indexes a sharded tensor other than at one constant "
+                                     "position of the sharded dimension")
+        at %= _shape(x)[lay.dim]
+        missing = [r for r, s in enumerate(lay.sets) if at not in s.indices()]
+        if missing:
+            raise Unsupported(block, f"{_where(node)} reads position {at} of the sharded dimension, which "
+                                     f"socket(s) {missing} do not hold")
+        info.index_at = (lay.dim, at)
+        # every socket holds that position, computed from the same weight rows: the result is replicated
+        return None
     if t is aten.select.int:
         dim = node.args[1] % len(_shape(x))
         if dim == lay.dim:

@@ -106,7 +106,24 @@ def find_blocks(
     return blocks
 
 
-def _slice_bounds(node: torch.fx.Node, size: int) -> tuple[int, int]:
+def constant_index(node: torch.fx.Node, dim: int) -> int | None:
+    """The one position ``aten.index.Tensor`` reads along ``dim`` when that is its only index and a
+    one-element constant of the graph (Falcon's ``qkv[..., [-2], :]``), else None."""
+    indices = node.args[1]
+    if dim >= len(indices) or any(ix is not None for d, ix in enumerate(indices) if d != dim):
+        return None
+    src = indices[dim]
+    if isinstance(src, torch.fx.Node) and src.target is aten.lift_fresh_copy.default:
+        src = src.args[0]
+    if not (isinstance(src, torch.fx.Node) and src.op == "get_attr"):
+        return None
+    value = getattr(src.graph.owning_module, src.target, None)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.is_floating_point():
+        return None
+    return int(value.item())
+
+
+def slice_bounds(node: torch.fx.Node, size: int) -> tuple[int, int]:
     """``[start, end)`` of an ``aten.slice`` of a dimension of ``size``, negatives and overshoot resolved."""
     start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
     end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else size
@@ -125,10 +142,10 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
     out = mm.out_features
     cuts: set[int] = {0, out}
     units: list[tuple[int, int, int]] = []
-    todo = [(mm.node, 1, 0, out)]
+    todo = [(mm.node, 1, 0, out, 1)]   # (node, dim, feature offset, length, features per index of dim)
     seen = set()
     while todo:
-        node, dim, offset, length = todo.pop()
+        node, dim, offset, length, scale = todo.pop()
         if (node, dim, offset) in seen:
             continue
         seen.add((node, dim, offset))
@@ -140,13 +157,15 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
                 for gi, gj in view_groups(shape, dst):
                     if dim in gi:
                         if len(gj) == 1:
-                            todo.append((user, gj[0], offset, length))
-                        elif [d for d in gi if shape[d] != 1] == [dim]:
+                            todo.append((user, gj[0], offset, length, scale))
+                        elif [d for d in gi if shape[d] != 1] == [dim] and scale == 1:
                             # (.., heads*hd) -> (.., heads, hd): a shard must hold whole heads, even one head
                             inner = 1
                             for d in gj[1:]:
                                 inner *= dst[d]
                             units.append((offset, length, inner))
+                            # heads read apart (Falcon's q = [..., :-2, :], k = [..., [-2], :]) are pieces too
+                            todo.append((user, gj[0], offset, length, inner))
                         break
             elif t in (aten.split.Tensor, aten.split_with_sizes.default):
                 sdim = user.args[2] if len(user.args) > 2 else 0
@@ -159,22 +178,27 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
                     cuts.add(offset + s)
                 for g in user.users:
                     k = g.args[1]
-                    todo.append((g, dim, offset + starts[k], sizes[k]))
+                    todo.append((g, dim, offset + starts[k] * scale, sizes[k] * scale, scale))
             elif t is aten.slice.Tensor:
                 sdim = (user.args[1] if len(user.args) > 1 else 0) % len(shape)
                 if sdim != dim:
-                    todo.append((user, dim, offset, length))
+                    todo.append((user, dim, offset, length, scale))
                     continue
-                start, end = _slice_bounds(user, shape[dim])
+                start, end = slice_bounds(user, shape[dim])
                 if end > start and (user.args[4] if len(user.args) > 4 else 1) == 1:
                     # a fused projection read in parts (q | k | v, gate | up): each part is its own piece
-                    cuts.update((offset + start, offset + end))
-                    todo.append((user, dim, offset + start, end - start))
+                    cuts.update((offset + start * scale, offset + end * scale))
+                    todo.append((user, dim, offset + start * scale, (end - start) * scale, scale))
+            elif t is aten.index.Tensor:
+                at = constant_index(user, dim)
+                if at is not None:
+                    i = at % shape[dim]
+                    cuts.update((offset + i * scale, offset + (i + 1) * scale))
             elif t in IDENTITY_OPS or (hasattr(t, "tags") and torch.Tag.pointwise in t.tags):
                 if tuple(user.meta["val"].shape)[-len(shape):] == shape:
-                    todo.append((user, dim + user.meta["val"].dim() - len(shape), offset, length))
+                    todo.append((user, dim + user.meta["val"].dim() - len(shape), offset, length, scale))
             elif t in (aten.permute.default,):
-                todo.append((user, list(user.args[1]).index(dim), offset, length))
+                todo.append((user, list(user.args[1]).index(dim), offset, length, scale))
     bounds = sorted(cuts)
     pieces = []
     for lo, hi in zip(bounds, bounds[1:]):

@@ -65,7 +65,10 @@ def _column_sets(col: WeightMatmul, sockets: int,
     outnumber them.
     """
     per_rank: list[list[tuple[int, int]]] = [[] for _ in range(sockets)]
-    for offset, length, unit in column_segments(col):
+    pieces = column_segments(col)
+    # pieces too small to split ride along whole only beside a piece that is split
+    splits_some = any(length // unit >= sockets for _, length, unit in pieces)
+    for offset, length, unit in pieces:
         heads = length // unit if unit > 1 else 0
         if groups is not None and heads in groups:
             sets = group_head_sets(heads, *groups, sockets)
@@ -76,6 +79,12 @@ def _column_sets(col: WeightMatmul, sockets: int,
             continue
         if unit == 1 and length % (16 * sockets) == 0:
             unit = 16  # whole vector-register-sized groups keep the local GEMMs aligned
+        if length // unit < sockets and splits_some and unit > 1:
+            # a part of a fused projection with fewer heads than sockets (Falcon's one K and one V head
+            # beside the query heads): every socket computes it whole from its own copy of its rows
+            for r in range(sockets):
+                per_rank[r].append((offset, offset + length))
+            continue
         if length // unit < sockets:
             return None
         for r, s in enumerate(even_split(length, sockets, unit)):
