@@ -21,7 +21,7 @@ import numatp
 from numatp import zoo
 from numatp.plan import Colwise, IndexSet, capture, plan_graph
 from numatp.plan.propagate import kv_head_sets
-from numatp.plan.tp_pass import group_head_sets
+from numatp.plan.propagate import group_head_sets
 from tests.helpers import assert_close_to_eager, fresh_dynamo, shared_cpu_topology
 
 LAYERS = 2
@@ -100,16 +100,23 @@ def test_gqa_with_fewer_kv_heads_than_sockets_computes_each_sockets_own_kv_head(
     fresh_dynamo()
     model = _model("qwen2")
     compiled = numatp.compile(model, sockets=shared_cpu_topology(4), mode="eager")
-    ids = torch.randint(0, 256, (1, 10))
+    ids = torch.randint(0, 256, (2, 10))
+    padded = torch.ones_like(ids)
+    padded[1, :4] = 0
     with torch.inference_mode():
-        assert_close_to_eager(compiled(input_ids=ids).logits, model(input_ids=ids).logits, "qwen2 on 4 sockets")
-    plan = numatp.plans(compiled)[0]
+        # without a mask transformers hands SDPA the 2 K/V heads (its own grouping); with one it expands
+        # them per query head first (repeat_kv): two graphs, both split along the groups
+        for kw in ({"input_ids": ids}, {"input_ids": ids, "attention_mask": padded}):
+            assert_close_to_eager(compiled(**kw).logits, model(**kw).logits, f"qwen2 on 4 sockets, {list(kw)}")
+    plans = numatp.plans(compiled)
+    assert len(plans) == 2
     head_dim = 112 // 14
-    (k,) = plan.weights["model.layers.0.self_attn.k_proj.weight"]
-    (q,) = plan.weights["model.layers.0.self_attn.q_proj.weight"]
-    assert isinstance(k.placement, Colwise) and isinstance(q.placement, Colwise)
-    assert [str(s) for s in k.placement.splits] == [f"0:{head_dim}"] * 2 + [f"{head_dim}:{2 * head_dim}"] * 2
-    assert [len(s) // head_dim for s in q.placement.splits] == [4, 3, 4, 3]
+    for plan in plans:
+        (k,) = plan.weights["model.layers.0.self_attn.k_proj.weight"]
+        (q,) = plan.weights["model.layers.0.self_attn.q_proj.weight"]
+        assert isinstance(k.placement, Colwise) and isinstance(q.placement, Colwise)
+        assert [str(s) for s in k.placement.splits] == [f"0:{head_dim}"] * 2 + [f"{head_dim}:{2 * head_dim}"] * 2
+        assert [len(s) // head_dim for s in q.placement.splits] == [4, 3, 4, 3]
 
 
 def test_group_head_sets():

@@ -16,10 +16,11 @@ import torch
 import torch.fx
 
 from numatp.plan.roles import IDENTITY_OPS, VIEW_OPS, constant_index, slice_bounds
-from numatp.plan.schema import IndexSet
+from numatp.plan.schema import IndexSet, even_split
 from numatp.plan.views import ViewError, map_shard_through_view
 
-__all__ = ["Shard", "NodeInfo", "Unsupported", "GroupSplit", "propagate", "ATTENTION_OPS", "kv_head_sets"]
+__all__ = ["Shard", "NodeInfo", "Unsupported", "GroupSplit", "propagate", "ATTENTION_OPS", "kv_head_sets",
+           "group_head_sets"]
 
 aten = torch.ops.aten
 
@@ -48,6 +49,8 @@ class NodeInfo:
     row_input: Shard | None = None   # a row matmul's sharded input: its weight rows are sliced the same way
     vocab_sets: tuple[IndexSet, ...] | None = None   # a vocabulary-parallel lookup: each socket's table rows
     index_at: tuple[int, int] | None = None   # index of one position along the shard dim: (dim, global position)
+    local_cuts: dict[Any, tuple[int, tuple[IndexSet, ...]]] = field(default_factory=dict)  # sharded inputs
+    # a socket holds more of than it reads: (dim, per socket the local positions to keep)
 
 
 class Unsupported(Exception):
@@ -147,6 +150,9 @@ def _rule(node: torch.fx.Node, info: NodeInfo, grouped: set[int]) -> Layout:
             info.local_shape = True
             return Shard(lay.dim + len(dst) - len(src), lay.sets, block)
         try:
+            if len(lay.sets) > 1 and all(len(s) == src[lay.dim] for s in lay.sets):
+                # every socket holds all of it (one K/V head each sharing socket computes): replicated
+                return None
             d, sets = map_shard_through_view(src, dst, lay.dim, lay.sets)
         except ViewError as e:
             raise Unsupported(block, f"{_where(node)}: {e}") from e
@@ -243,6 +249,30 @@ def _rule(node: torch.fx.Node, info: NodeInfo, grouped: set[int]) -> Layout:
     raise Unsupported(block, f"{_where(node)} has no sharding rule")
 
 
+def group_head_sets(heads: int, q_heads: int, kv_heads: int, sockets: int) -> tuple[IndexSet, ...] | None:
+    """Per socket, the heads (query heads if ``heads == q_heads``, else K/V heads) of grouped-query
+    attention split along its K/V groups, or None where that is impossible.
+
+    With K/V heads a multiple of the sockets, each socket owns whole groups (its K/V heads and their
+    query heads). With sockets a multiple of the K/V heads, the sockets sharing one K/V head split its
+    query heads and each computes that K/V head itself: the K/V sets overlap, which costs the K/V
+    projection's compute and bytes once per sharing socket and saves an all-gather inside attention.
+
+    >>> [str(s) for s in group_head_sets(14, 14, 2, 4)], [str(s) for s in group_head_sets(2, 14, 2, 4)]
+    (['0:4', '4:7', '7:11', '11:14'], ['0:1', '0:1', '1:2', '1:2'])
+    """
+    group = q_heads // kv_heads
+    if kv_heads % sockets == 0:
+        kv = even_split(kv_heads, sockets)
+        return kv if heads == kv_heads else tuple(s.scaled(group) for s in kv)
+    share, rest = divmod(sockets, kv_heads)
+    if rest or group < share:
+        return None
+    if heads == kv_heads:
+        return tuple(IndexSet.range(r // share, r // share + 1) for r in range(sockets))
+    return tuple(even_split(group, share)[r % share].shifted((r // share) * group) for r in range(sockets))
+
+
 def kv_head_sets(q_sets: tuple[IndexSet, ...], q_heads: int, kv_heads: int) -> tuple[IndexSet, ...] | None:
     """Per socket, the K/V heads its query heads read under grouped-query attention, or None where a
     socket's query heads do not map onto its K/V heads as one local GQA layout (local query head ``i``
@@ -259,6 +289,31 @@ def kv_head_sets(q_sets: tuple[IndexSet, ...], q_heads: int, kv_heads: int) -> t
             return None
         out.append(IndexSet.of(need))
     return tuple(out)
+
+
+_EXPANSION = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
+              aten.expand.default, aten.unsqueeze.default}
+
+
+def _expanded_from(t: torch.fx.Node, heads: int) -> int | None:
+    """The K/V head count a ``(B, heads, S, D)`` value was expanded from (transformers' ``repeat_kv``:
+    unsqueeze, expand, reshape), or None."""
+    n = t
+    while isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target in _EXPANSION:
+        n = n.args[0]
+        shape = _shape(n)
+        if shape is not None and len(shape) >= 4 and 0 < shape[1] < heads and heads % shape[1] == 0:
+            return shape[1]
+    return None
+
+
+def _positions(outer: IndexSet, inner: IndexSet) -> IndexSet | None:
+    """Local positions of ``inner``'s indices within ``outer`` (None unless ``inner`` is inside it)."""
+    held = outer.indices()
+    where = {i: k for k, i in enumerate(held)}
+    if any(i not in where for i in inner.indices()):
+        return None
+    return IndexSet.of([where[i] for i in inner.indices()])
 
 
 def _attention(node: torch.fx.Node, info: NodeInfo, block: int, grouped: set[int]) -> Layout:
@@ -279,6 +334,18 @@ def _attention(node: torch.fx.Node, info: NodeInfo, block: int, grouped: set[int
                          hq, hkv)
     for key, t in ((1, k), (2, v)):
         lt = t.meta["numatp"].layout
+        origin = _expanded_from(t, hq) if hkv == hq else None
+        if (lt is None and origin is not None and block not in grouped
+                and group_head_sets(origin, hq, origin, len(lq.sets)) is not None):
+            # K/V expanded per query head from fewer heads, replicated (fewer K/V heads than sockets):
+            # retry with each socket computing the K/V heads its query heads read
+            raise GroupSplit(block, f"{_where(node)}: K/V heads expanded from {origin}, replicated", hq, origin)
+        if isinstance(lt, Shard) and lt.dim == 1 and lt.sets != need and origin is not None:
+            # sockets sharing a K/V head hold its whole expanded group: each keeps its query heads' part
+            cuts = tuple(_positions(o, i) for o, i in zip(lt.sets, need))
+            if all(c is not None for c in cuts):
+                info.local_cuts[key] = (1, cuts)
+                continue
         if lt is None:
             if hkv < hq and block not in grouped:
                 # replicated K/V projections (fewer K/V heads than sockets): retry with each socket

@@ -157,7 +157,14 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
                 for gi, gj in view_groups(shape, dst):
                     if dim in gi:
                         if len(gj) == 1:
-                            todo.append((user, gj[0], offset, length, scale))
+                            if (len(dst) == len(shape) + 1 and gj[0] == len(dst) - 1 == dim + 1
+                                    and dst[dim] == 1 and scale == 1):
+                                # (.., hd) -> (.., 1, hd): one head (a single K/V head): keep it whole, and
+                                # follow its heads dimension (slices inside the head, as RoPE's, cut nothing)
+                                units.append((offset, length, length))
+                                todo.append((user, dim, offset, length, length))
+                            else:
+                                todo.append((user, gj[0], offset, length, scale))
                         elif [d for d in gi if shape[d] != 1] == [dim] and scale == 1:
                             # (.., heads*hd) -> (.., heads, hd): a shard must hold whole heads, even one head
                             inner = 1

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx
 
-from numatp.plan.propagate import ATTENTION_OPS, GroupSplit, Shard, Unsupported, propagate
+from numatp.plan.propagate import ATTENTION_OPS, GroupSplit, Shard, Unsupported, group_head_sets, propagate
 from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, column_segments, find_blocks, find_weight_matmuls
 from numatp.plan.schema import (Block, Colwise, IndexSet, Plan, Replicate, Rowwise, WeightPlan, even_split)
 from numatp.plan.trace import AtenGraph
@@ -90,30 +90,6 @@ def _column_sets(col: WeightMatmul, sockets: int,
         for r, s in enumerate(even_split(length, sockets, unit)):
             per_rank[r] += s.shifted(offset).intervals
     return tuple(IndexSet(tuple(iv)) for iv in per_rank)
-
-
-def group_head_sets(heads: int, q_heads: int, kv_heads: int, sockets: int) -> tuple[IndexSet, ...] | None:
-    """Per socket, the heads (query heads if ``heads == q_heads``, else K/V heads) of grouped-query
-    attention split along its K/V groups, or None where that is impossible.
-
-    With K/V heads a multiple of the sockets, each socket owns whole groups (its K/V heads and their
-    query heads). With sockets a multiple of the K/V heads, the sockets sharing one K/V head split its
-    query heads and each computes that K/V head itself: the K/V sets overlap, which costs the K/V
-    projection's compute and bytes once per sharing socket and saves an all-gather inside attention.
-
-    >>> [str(s) for s in group_head_sets(14, 14, 2, 4)], [str(s) for s in group_head_sets(2, 14, 2, 4)]
-    (['0:4', '4:7', '7:11', '11:14'], ['0:1', '0:1', '1:2', '1:2'])
-    """
-    group = q_heads // kv_heads
-    if kv_heads % sockets == 0:
-        kv = even_split(kv_heads, sockets)
-        return kv if heads == kv_heads else tuple(s.scaled(group) for s in kv)
-    share, rest = divmod(sockets, kv_heads)
-    if rest or group < share:
-        return None
-    if heads == kv_heads:
-        return tuple(IndexSet.range(r // share, r // share + 1) for r in range(sockets))
-    return tuple(even_split(group, share)[r % share].shifted((r // share) * group) for r in range(sockets))
 
 
 def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: Decider | None = None) -> Plan:
