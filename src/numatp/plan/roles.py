@@ -90,12 +90,17 @@ def _cone(start: torch.fx.Node, stops: dict[torch.fx.Node, WeightMatmul]) -> set
 def find_blocks(
     matmuls: list[WeightMatmul], excluded: set[torch.fx.Node]
 ) -> list[tuple[WeightMatmul, list[WeightMatmul]]]:
-    """(row, columns) pairs in program order; matmuls in ``excluded`` are never paired."""
+    """(row, columns) pairs in program order; matmuls in ``excluded`` are never paired.
+
+    A projection that widens its input twice or more closes no block (an output or down projection
+    narrows or keeps the width): BERT's and RoBERTa's MLM head (dense -> gelu -> LayerNorm -> decoder) is
+    not an MLP; its vocabulary decoder is left to the LM-head rule, its dense stays replicated.
+    """
     by_node = {m.node: m for m in matmuls}
     taken: set[torch.fx.Node] = set(excluded)
     blocks = []
     for row in matmuls:
-        if row.node in taken:
+        if row.node in taken or row.out_features >= 2 * row.in_features:
             continue
         cols = _cone(row.x, by_node)
         if not cols or cols & taken:
