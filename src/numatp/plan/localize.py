@@ -74,7 +74,7 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
     g = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     bindings: list[Binding] = []
-    weights: dict[tuple[torch.fx.Node, str, int], torch.fx.Node] = {}
+    weights: dict[tuple[torch.fx.Node, str, int, bool], torch.fx.Node] = {}
 
     def weight(p: torch.fx.Node, placement: Placement, lookup: bool = False) -> torch.fx.Node:
         key = (p, type(placement).__name__, getattr(placement, "dim", -1), lookup)
