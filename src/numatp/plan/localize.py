@@ -179,9 +179,6 @@ def _copy(g: torch.fx.Graph, node: torch.fx.Node, env: dict, rank: int) -> torch
         if isinstance(a, torch.fx.Node):
             new = env[a]
             cut = info.slice_inputs.get(key)
-            if key in info.local_cuts:
-                dim, positions = info.local_cuts[key]
-                return _cut(g, new, dim, positions[rank])
             return _cut(g, new, cut.dim, cut.sets[rank]) if cut is not None else new
         if isinstance(a, (list, tuple)) and any(isinstance(x, torch.fx.Node) for x in a):
             return type(a)(arg((key, j), x) for j, x in enumerate(a))

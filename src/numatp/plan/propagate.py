@@ -45,12 +45,12 @@ class NodeInfo:
     local_shape: bool = False        # replace the shape argument with the socket-local output shape
     split_dim: int | None = None     # split along the shard dim: rewrite to local split_with_sizes
     slice_dim: int | None = None     # slice along the shard dim: rewrite start/end to local positions
-    slice_inputs: dict[Any, Shard] = field(default_factory=dict)  # replicated inputs to cut locally
+    # inputs to cut: socket r keeps positions ``sets[r]`` of ``dim`` of its own value (for a replicated
+    # input, the global indices; for a sharded one, positions within the socket's shard)
+    slice_inputs: dict[Any, Shard] = field(default_factory=dict)
     row_input: Shard | None = None   # a row matmul's sharded input: its weight rows are sliced the same way
     vocab_sets: tuple[IndexSet, ...] | None = None   # a vocabulary-parallel lookup: each socket's table rows
     index_at: tuple[int, int] | None = None   # index of one position along the shard dim: (dim, global position)
-    local_cuts: dict[Any, tuple[int, tuple[IndexSet, ...]]] = field(default_factory=dict)  # sharded inputs
-    # a socket holds more of than it reads: (dim, per socket the local positions to keep)
 
 
 class Unsupported(Exception):
@@ -291,8 +291,7 @@ def kv_head_sets(q_sets: tuple[IndexSet, ...], q_heads: int, kv_heads: int) -> t
     return tuple(out)
 
 
-_EXPANSION = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default,
-              aten.expand.default, aten.unsqueeze.default}
+_EXPANSION = VIEW_OPS | {aten.clone.default, aten.expand.default, aten.unsqueeze.default}
 
 
 def _expanded_from(t: torch.fx.Node, heads: int) -> int | None:
@@ -344,7 +343,7 @@ def _attention(node: torch.fx.Node, info: NodeInfo, block: int, grouped: set[int
             # sockets sharing a K/V head hold its whole expanded group: each keeps its query heads' part
             cuts = tuple(_positions(o, i) for o, i in zip(lt.sets, need))
             if all(c is not None for c in cuts):
-                info.local_cuts[key] = (1, cuts)
+                info.slice_inputs[key] = Shard(1, cuts, block)
                 continue
         if lt is None:
             if hkv < hq and block not in grouped:

@@ -200,27 +200,28 @@ def _embedding_tables(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> d
     return tables
 
 
-def _shard_vocabulary(gm, params, names, column_sets, by_node, sockets) -> dict[torch.fx.Node, str | None]:
+def _shard_vocabulary(gm, params, names, column_sets, by_node, sockets) -> dict[torch.fx.Node, tuple[bool, str]]:
     """Make the largest embedding table vocabulary-parallel: socket r holds a contiguous range of its rows,
     looks up the ids in that range (zeros elsewhere), and one all-reduce sums the lookups. A tied LM head
     keeps its own column sets and the table takes the same ones, so both read one shard. Returns every
-    table with None where sharded, else why it stays replicated."""
+    table with (sharded, why)."""
     tables = _embedding_tables(gm, params)
     if not tables:
         return {}
     vocab = max(tables, key=lambda p: p.meta["val"].numel())
-    out: dict[torch.fx.Node, str | None] = {}
+    out: dict[torch.fx.Node, tuple[bool, str]] = {}
     for p in tables:
         if p is not vocab:
             rows, width = p.meta["val"].shape
-            out[p] = (f"small table ({rows} x {width}) beside the {tuple(vocab.meta['val'].shape)} vocabulary: "
-                      "replicated, sharding it would add an all-reduce for little memory")
+            out[p] = (False, f"small table ({rows} x {width}) beside the {tuple(vocab.meta['val'].shape)} "
+                             "vocabulary: replicated, sharding it would add an all-reduce for little memory")
     rows = vocab.meta["val"].shape[0]
     heads = [m for m in by_node.values() if m.param is vocab and m.node in column_sets]
     sets = (column_sets[heads[0].node][1] if heads
             else even_split(rows, sockets, 16 if rows % (16 * sockets) == 0 else 1))
     if rows < sockets or any(len(s.intervals) != 1 for s in sets):
-        out[vocab] = f"{rows} rows cannot be split into one contiguous range per socket over {sockets} sockets"
+        out[vocab] = (False, f"{rows} rows cannot be split into one contiguous range per socket over "
+                             f"{sockets} sockets")
         return out
     for n in tables[vocab]:
         n.meta["numatp"].role = "vocab"
@@ -229,9 +230,11 @@ def _shard_vocabulary(gm, params, names, column_sets, by_node, sockets) -> dict[
     if readers:   # e.g. a tied LM head the pass left replicated: the whole table is on every socket anyway
         for n in tables[vocab]:
             n.meta["numatp"].role, n.meta["numatp"].vocab_sets = None, None
-        out[vocab] = f"read whole by {readers[0].target} ({readers[0].name}): replicated"
+        out[vocab] = (False, f"read whole by {readers[0].target} ({readers[0].name}): replicated")
         return out
-    out[vocab] = None
+    ranges = ", ".join(f"{s.intervals[0][0]}:{s.intervals[0][1]}" for s in sets)
+    out[vocab] = (True, f"vocabulary-parallel: rows {ranges} per socket, lookups summed by one all-reduce"
+                        + ("; the same shards as the tied LM head" if heads else ""))
     return out
 
 
@@ -336,17 +339,9 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
                             tuple(names[c.param] for c in rep)))
     for node, (kind, module, why) in reasons.items():
         blocks.append(Block(kind, module, (), names[by_node[node].param], False, why))
-    for p, why in tables.items():
+    for p, (sharded, why) in tables.items():
         name = names[p]
-        if why is None:
-            lo_hi = ", ".join(f"{s.intervals[0][0]}:{s.intervals[0][1]}"
-                              for s in next(n for n in p.users if n.target is _EMBEDDING).meta["numatp"].vocab_sets)
-            tied = any(m.param is p and m.node.meta["numatp"].role for m in by_node.values())
-            blocks.append(Block("embedding", name.rsplit(".", 1)[0], (name,), None, True,
-                                f"vocabulary-parallel: rows {lo_hi} per socket, lookups summed by one all-reduce"
-                                + ("; the same shards as the tied LM head" if tied else "")))
-        else:
-            blocks.append(Block("embedding", name.rsplit(".", 1)[0], (), None, False, why))
+        blocks.append(Block("embedding", name.rsplit(".", 1)[0], (name,) if sharded else (), None, sharded, why))
     for node in gm.graph.nodes:
         info = node.meta["numatp"]
         if info.role == "vocab" and node.args[0] in params:
