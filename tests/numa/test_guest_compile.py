@@ -60,6 +60,23 @@ def test_packed_gemm_weight_is_made_in_its_socket_node(topology, provider):
             del made
 
 
+def test_dense_gemm_operand_is_copied_onto_its_socket_node(topology):
+    # a Conv1D (K, N) weight gets an (N, K) copy for oneDNN's linear; made by the socket worker, the copy
+    # could take pages its allocator recycles from another node unless it is placed explicitly
+    from numatp.placement import pages_by_node
+    from numatp.runtime import SocketGroup
+    from numatp.runtime.gemm import PROVIDERS
+    from numatp.runtime.gemm_pass import _prepare
+
+    w = torch.randn(128, 256)   # (K, N)
+    with SocketGroup(topology) as group:
+        nodes = [s.node for s in topology.sockets]
+        made = group.run(lambda r: _prepare(PROVIDERS["onednn"], w, 8, "kn", nodes[r]))
+    for rank, op in enumerate(made):
+        assert torch.equal(op, w.t())
+        assert set(pages_by_node(op)) == {nodes[rank]}, f"socket {rank}: pages {pages_by_node(op)}"
+
+
 def test_all_reduce_result_is_on_each_sockets_node(topology):
     # the C++ collective writes each socket's total into a tensor its worker allocates under the
     # socket's memory binding: every socket reads the reduced activations from its own node

@@ -168,7 +168,9 @@ class GemmSelector:
                                        choice.shapes[ph.name].layout)
             gm.graph.lint()
             gm.recompile()
-        made = group.run(lambda rank: {i: _prepare(p, w, m, lay) for i, (p, w, m, lay) in todo[rank].items()})
+        nodes = [s.node if group.binds_memory else None for s in group.topology.sockets]
+        made = group.run(lambda rank: {i: _prepare(p, w, m, lay, nodes[rank])
+                                       for i, (p, w, m, lay) in todo[rank].items()})
         new_args = [list(a) for a in args]
         for rank, ops in enumerate(made):
             for i, op in ops.items():
@@ -258,13 +260,19 @@ def stand_in(t: Any) -> Any:
     return torch.empty(1, dtype=info.dtype).expand(info.shape)
 
 
-def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str) -> torch.Tensor:
+def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int | None = None) -> torch.Tensor:
+    """The provider's operand for ``w``, made by the calling (socket) thread. A new dense operand (the
+    (N, K) copy of a Conv1D weight) is copied onto ``node`` when one is given: the worker's allocator
+    may hand it pages recycled from another node, where its memory binding does not apply."""
     w_nk = w if layout == "nk" else w.t()
     with torch.no_grad():
         op = provider.prepare(w_nk, m)
     if op is w_nk:  # dense providers keep the plain weight; nothing to swap
         op = w
     else:
+        if node is not None and op.layout == torch.strided:
+            from numatp.placement import numa_clone
+            op = numa_clone(op, node)
         op._numatp_gemm = PackInfo(provider.name, tuple(w.shape), w.dtype, layout, m)
     return op
 

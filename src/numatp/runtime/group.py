@@ -159,6 +159,11 @@ class SocketGroup:
             raise SocketError(f"could not start the socket workers: {err}") from err
 
     @property
+    def binds_memory(self) -> bool:
+        """Whether each worker's memory is bound to its socket's node (a real topology, by default)."""
+        return self._shared.bind
+
+    @property
     def thread_names(self) -> list[str]:
         return [t.name for t in self._threads if t.is_alive()]
 
