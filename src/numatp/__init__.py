@@ -8,10 +8,11 @@ attention and MLP block.
 from __future__ import annotations
 
 from numatp.backend import compile, placement_report, plans
+from numatp.generate import generate
 from numatp.placement import membind, numa_clone, pages_by_node
 from numatp.runtime.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
-__all__ = ["GemmOptions", "Topology", "compile", "membind", "numa_clone", "pages_by_node", "placement_report",
+__all__ = ["GemmOptions", "Topology", "compile", "generate", "membind", "numa_clone", "pages_by_node", "placement_report",
            "plans"]
 __version__ = "0.1.0"

@@ -1,15 +1,16 @@
 """The ``torch.compile`` backend: ``torch.compile(model, backend="numatp")`` and ``numatp.compile(model)``.
 
 ``options`` checks what a compile is asked to do, ``entry`` is the way in from both APIs (one backend per
-compile), ``core`` turns Dynamo graphs into socket programs, ``weights`` holds the shards on their sockets.
+compile), ``core`` turns Dynamo graphs into socket programs, ``weights`` holds the shards on their sockets,
+``states`` each socket's copy of what the programs write in place (a KV cache).
 """
 
 from __future__ import annotations
 
 from numatp.backend.core import GEMM_DEFAULT, NumaTPBackend, close_call, default_decider, runs_unsharded
-from numatp.backend.entry import backend_of, compile, numatp_backend, placement_report, plans
+from numatp.backend.entry import CompiledModel, backend_of, compile, numatp_backend, placement_report, plans
 from numatp.backend.options import AUTO_MEASURE, Options, resolve_topology
 
-__all__ = ["AUTO_MEASURE", "GEMM_DEFAULT", "NumaTPBackend", "Options", "backend_of", "close_call", "compile",
+__all__ = ["AUTO_MEASURE", "CompiledModel", "GEMM_DEFAULT", "NumaTPBackend", "Options", "backend_of", "close_call", "compile",
            "default_decider", "numatp_backend", "placement_report", "plans", "resolve_topology",
            "runs_unsharded"]

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from numatp.backend.options import AUTO_MEASURE, Options, resolve_topology
+from numatp.backend.states import StateStore
 from numatp.backend.weights import WeightStore
 from numatp.plan import localize, plan_graph, trace_aten
-from numatp.plan.schema import Plan
+from numatp.plan.schema import Plan, Replicate
 from numatp.runtime.executor import ShardedExecutor
 from numatp.runtime.gemm_pass import GemmOptions, GemmSelector, report_rows
 from numatp.runtime.group import SocketGroup
@@ -43,16 +44,27 @@ class _Variant:
     build_seconds: float = 0.0
     baseline: Callable | None = None   # nothing sharded and GEMM providers off: plain Inductor, all cores
     weights: list[list[Any]] | None = None  # per socket: its local weights, None where a call's input goes
+    states: StateStore | None = None        # where the sockets' copies of the inputs they write are
+
+    def __post_init__(self) -> None:
+        # replicated states (a cache's length) go back to the caller's tensor after each call
+        self.write_backs = [bd for bd in (self.bindings[0] if self.bindings else [])
+                            if bd.state and isinstance(bd.placement, Replicate)]
 
     def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
-        """Each socket's program arguments: the weights made at build time, this call's activations."""
-        return [[args[bd.index] if w is None else w for bd, w in zip(bindings, weights)]
-                for bindings, weights in zip(self.bindings, self.weights)]
+        """Each socket's program arguments: the weights made at build time, this call's activations, and
+        the socket's copies of the states this call's inputs name."""
+        return [[self.states.get(args[bd.index], bd, r) if bd.state else args[bd.index] if w is None else w
+                 for bd, w in zip(bindings, weights)]
+                for r, (bindings, weights) in enumerate(zip(self.bindings, self.weights))]
 
     def __call__(self, *args: Any) -> Any:
         if self.baseline is not None:
             return self.baseline(*args)
-        return self.executor.run(self.local_args(args))
+        out = self.executor.run(self.local_args(args))
+        for bd in self.write_backs:
+            self.states.write_back(args[bd.index], bd)
+        return out
 
 
 class NumaTPBackend:
@@ -74,10 +86,13 @@ class NumaTPBackend:
         self.decide = decide
         self.compiler = SegmentCompiler(mode=mode)
         self.weights = WeightStore(topology, strict=strict_placement)
+        self.states = StateStore(topology, strict=strict_placement)
+        # how every graph that writes a cache runs (prefill and decode must agree): fixed by the first
+        self.state_policy: str | None = None
         self.gemm = _gemm_selector(gemm)
         self.graphs: list[_CompiledGraph] = []
         self._group: SocketGroup | None = None
-        self._whole: tuple[SocketGroup, WeightStore] | None = None
+        self._whole: tuple[SocketGroup, WeightStore, StateStore] | None = None
 
     @classmethod
     def from_options(cls, options: Options, *, names: dict[int, str] | None = None) -> NumaTPBackend:
@@ -93,13 +108,19 @@ class NumaTPBackend:
             self._group = SocketGroup(self.topology)
         return self._group
 
-    def whole_machine(self) -> tuple[SocketGroup, WeightStore]:
-        """One worker pinned to every CPU of the topology and a store that leaves weights where they are:
-        where an unsharded graph runs with measured GEMM providers."""
+    def whole_machine(self) -> tuple[SocketGroup, WeightStore, StateStore]:
+        """One worker pinned to every CPU of the topology, a store that leaves weights where they are and
+        one for its states: where an unsharded graph runs with measured GEMM providers."""
         if self._whole is None:
             whole = self.topology.whole()
-            self._whole = SocketGroup(whole), WeightStore(whole, place=False)
+            self._whole = SocketGroup(whole), WeightStore(whole, place=False), StateStore(whole)
         return self._whole
+
+    def reload_states(self, user: torch.Tensor | None = None) -> None:
+        """Copy the caller's state tensors (a cache just reset) into every socket's copy again."""
+        self.states.reload(user)
+        if self._whole is not None:
+            self._whole[2].reload(user)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         graph = _CompiledGraph(self, gm)
@@ -156,26 +177,32 @@ class _CompiledGraph:
         n = b.topology.num_sockets
         gm = _specialise(self.gm, {i: args[i].item() for i in self.scalars}) if self.scalars else self.gm
         ag = trace_aten(gm, args, b.names)
+        stateful = any(ag.states)
+        policy = b.state_policy if stateful and b.state_policy is not None else b.policy
         decide = None
-        if b.policy == "auto":
+        if policy == "auto":
             decide = b.decide or default_decider(b.topology)
-        plan = plan_graph(ag, n, policy=b.policy, decide=decide)
-        if b.policy == "auto" and close_call(plan, b.auto_measure):
+        plan = plan_graph(ag, n, policy=policy, decide=decide)
+        if stateful and b.state_policy is None:
+            # the graphs that write one cache (prefill, decode) hold its states the same way
+            b.state_policy = "never" if runs_unsharded(plan, policy) else "always"
+        # measuring both plans would run the graph's writes (a cache's length) more than once
+        if policy == "auto" and close_call(plan, b.auto_measure) and not stateful:
             variant = self._measure_both(plan, ag, args, t0)
             self.variants[key] = variant
             return variant
-        if runs_unsharded(plan, b.policy):
+        if runs_unsharded(plan, policy):
             if b.gemm is None:
                 variant = _Variant(plan, None, [], time.perf_counter() - t0,
                                    baseline=_plain(self.gm, args, b.compiler.mode))
-                log.info("numatp: policy %s keeps this graph unsharded (plain Inductor)", b.policy)
+                log.info("numatp: policy %s keeps this graph unsharded (plain Inductor)", policy)
             else:
                 variant = self._unsharded(plan, ag, args, t0)
                 log.info("numatp: policy %s keeps this graph unsharded (one program on all %d CPUs)",
-                         b.policy, len(variant.executor.group.topology.sockets[0].cpus))
+                         policy, len(variant.executor.group.topology.sockets[0].cpus))
             self.variants[key] = variant
             return variant
-        variant = self._programs(plan, ag, args, b.group, b.weights, t0)
+        variant = self._programs(plan, ag, args, b.group, b.weights, b.states, t0)
         self.variants[key] = variant
         log.info("numatp: %d sockets, %d reductions, built in %.1fs", n, plan.reductions, variant.build_seconds)
         return variant
@@ -183,9 +210,9 @@ class _CompiledGraph:
     def _unsharded(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> _Variant:
         """One program on one socket of all CPUs: unsharded, but with the measured GEMM providers the
         sharded programs get, so that the choice between the two compares like with like."""
-        group, store = self.backend.whole_machine()
+        group, store, states = self.backend.whole_machine()
         plan_graph(ag, 1, policy="never")
-        return self._programs(plan, ag, args, group, store, t0)
+        return self._programs(plan, ag, args, group, store, states, t0)
 
     def _measure_both(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> _Variant:
         """policy "auto" where the model's two predictions are close: build the graph sharded and
@@ -197,7 +224,7 @@ class _CompiledGraph:
         n = b.topology.num_sockets
         sharded_plan = plan_graph(ag, n, policy="always")
         marks = {"sharded": (b.weights, b.weights.mark())}
-        sharded = self._programs(sharded_plan, ag, args, b.group, b.weights, t0)
+        sharded = self._programs(sharded_plan, ag, args, b.group, b.weights, b.states, t0)
         unsharded_plan = plan_graph(ag, n, policy="never")
         if b.gemm is None:
             unsharded = _Variant(unsharded_plan, None, [], baseline=_plain(self.gm, args, b.compiler.mode))
@@ -236,26 +263,34 @@ class _CompiledGraph:
         return keep
 
     def _programs(self, plan: Plan, ag: Any, args: list[Any], group: SocketGroup, store: WeightStore,
-                  t0: float) -> _Variant:
-        """Localize ``ag`` (annotated for ``group``'s socket count), place its weights in ``store``,
-        compile and warm the programs on ``group``."""
+                  states: StateStore, t0: float) -> _Variant:
+        """Localize ``ag`` (annotated for ``group``'s socket count), place its weights in ``store`` and
+        its states in ``states``, compile and warm the programs on ``group``."""
         import time
         b = self.backend
         n = group.size
         programs = [localize(ag, r) for r in range(n)]
         bindings = [p.bindings for p in programs]
-        local = [store.local_args(bindings[r], args, r) for r in range(n)]
+        local = [_bind(store, states, bindings[r], args, r) for r in range(n)]
         executor = ShardedExecutor(group, b.compiler, gemm=b.gemm)
         executor.build([p.gm for p in programs], local,
                        weights=[p.weight_indices for p in programs])
         for r, swaps in enumerate(executor.swaps):
             for plain, prepared in swaps.values():
                 store.replace(r, plain, prepared)
-        local = [store.local_args(bindings[r], args, r) for r in range(n)]
-        executor.warm(local)
+        local = [_bind(store, states, bindings[r], args, r) for r in range(n)]
+        # warmed on copies of the states: this call's own run writes the cache (and its length) once
+        executor.warm([[a.clone() if bd.state else a for bd, a in zip(bindings[r], local[r])] for r in range(n)])
         # the weights are fixed for this variant: look them up once, not on every call
-        weights = [[None if bd.placement is None else a for bd, a in zip(bindings[r], local[r])] for r in range(n)]
-        return _Variant(plan, executor, bindings, time.perf_counter() - t0, weights=weights)
+        weights = [[None if bd.placement is None or bd.state else a for bd, a in zip(bindings[r], local[r])]
+                   for r in range(n)]
+        return _Variant(plan, executor, bindings, time.perf_counter() - t0, weights=weights, states=states)
+
+
+def _bind(store: WeightStore, states: StateStore, bindings: list, args: list[Any], rank: int) -> list[Any]:
+    """Socket ``rank``'s arguments: activations as given, its weights from ``store``, its states from ``states``."""
+    return [states.get(args[bd.index], bd, rank) if bd.state else
+            args[bd.index] if bd.placement is None else store.get(args[bd.index], bd, rank) for bd in bindings]
 
 
 _ITEM_FUNCTIONS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.Tensor.item)

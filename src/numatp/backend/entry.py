@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
 from numatp.backend.core import NumaTPBackend
 from numatp.backend.options import AUTO_MEASURE, Options
@@ -27,7 +28,7 @@ from numatp.plan.schema import Plan
 from numatp.runtime.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
-__all__ = ["backend_of", "compile", "numatp_backend", "placement_report", "plans"]
+__all__ = ["CompiledModel", "backend_of", "compile", "numatp_backend", "placement_report", "plans"]
 
 log = logging.getLogger("numatp")
 
@@ -57,7 +58,22 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     backend = NumaTPBackend.from_options(options, names=names)
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an
     # attribute on the result would land on ``model`` itself, and on every later compile of it
-    return torch.compile(model, backend=backend, dynamic=False)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    if type(compiled) is OptimizedModule:
+        compiled.__class__ = CompiledModel
+    return compiled
+
+
+class CompiledModel(OptimizedModule):
+    """What :func:`compile` returns for a module: ``torch.compile``'s module, plus ``generate`` through
+    NUMA-TP (the model's own ``generate`` stays eager)."""
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        """transformers-style ``generate`` whose prefill and decode steps run as socket programs:
+        :func:`numatp.generate.generate_timed` lists the options."""
+        from numatp.generate import generate
+        return generate(self, input_ids, attention_mask, **kwargs)
 
 
 def numatp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, options: dict[str, Any] | None = None,

@@ -3,7 +3,10 @@ process policy in place.
 
 The sweep writes JOB (a JSON object: the config, the process policy, how to apply it, the ranks
 topology) and reads RESULT back. Here: build the model, compile, time the first (compiling) call
-apart, warm up, and time ``iters`` calls under ``torch.inference_mode()``. A crash or a hang is the
+apart, warm up, and time ``iters`` calls under ``torch.inference_mode()``. With ``decode`` N, then
+generate N tokens after the prompt (:func:`numatp.generate.generate_timed`, static cache; the
+baseline modes through ``torch.compile`` with the same loop): one untimed generation compiles, then
+the median of three gives the time to first token and the decode tokens/s. A crash or a hang is the
 sweep's to record.
 """
 
@@ -90,6 +93,7 @@ def _measure(config: Config, ranks_dict: dict[str, Any]) -> dict[str, Any]:
             started = time.perf_counter()
             compiled(**inputs)
             times.append(time.perf_counter() - started)
+        decode = _decode(compiled, inputs, config.decode) if config.decode else None
 
     return {
         "versions": {
@@ -99,12 +103,32 @@ def _measure(config: Config, ranks_dict: dict[str, Any]) -> dict[str, Any]:
             "numatp": numatp.__version__,
         },
         "timing": {"build_s": build_s, "compile_s": compile_s, **summarize(times), "times_s": times},
+        "decode": decode,
         "torch_threads": torch.get_num_threads(),
         "placement": numatp.placement_report(compiled) if config.mode in NUMATP_MODES else None,
         "weight_pages": _weight_pages(model),
         # ru_maxrss is in KiB on Linux; compile workers are other processes and not counted here.
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+_DECODE_RUNS = 3
+
+
+def _decode(compiled: Any, inputs: dict[str, Any], new_tokens: int) -> dict[str, Any]:
+    """Time to first token and decode tokens/s of ``new_tokens`` greedy tokens after the prompt, medians
+    of ``_DECODE_RUNS`` generations after an untimed one."""
+    from numatp.generate import generate_timed
+
+    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+    # no EOS: every generation makes all its tokens
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
+    generate_timed(compiled, ids, mask, **kw)
+    runs = [generate_timed(compiled, ids, mask, **kw) for _ in range(_DECODE_RUNS)]
+    return {"new_tokens": new_tokens,
+            "first_token_s": statistics.median(g.prefill_seconds for g in runs),
+            "tokens_per_s": statistics.median(g.decode_tokens_per_second for g in runs),
+            "runs": [{"first_token_s": g.prefill_seconds, "decode_s": g.decode_seconds} for g in runs]}
 
 
 def run(job: dict[str, Any], result: Path, granted: dict[str, Any]) -> None:

@@ -71,6 +71,8 @@ class Config:
     """Timed calls."""
     tiny: bool = False
     """Use the zoo's shrunken twin of the preset (tests)."""
+    decode: int = 0
+    """Tokens to generate after the prefill timing (time to first token, decode tokens/s); 0: prefill only."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,6 +82,8 @@ class Config:
         for name in ("batch", "seq", "sockets", "iters"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1; pass a positive {name}")
+        if self.decode < 0:
+            raise ValueError(f"decode={self.decode} must be 0 (prefill only) or the tokens to generate")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be 0 or more; pass --warmup 0 to skip warm-up")
 
@@ -108,12 +112,14 @@ def expand(
     warmup: int = 10,
     iters: int = 50,
     tiny: bool = False,
+    decode: int = 0,
 ) -> list[Config]:
     """Every combination, ordered model, dtype, batch, seq, then mode, so each configuration's
     modes run back to back and a partial sweep already gives complete speedup rows."""
     modes = tuple(dict.fromkeys(modes))  # keep order, drop repeats
     return [
-        Config(model=m, batch=b, seq=s, dtype=d, mode=mode, sockets=sockets, warmup=warmup, iters=iters, tiny=tiny)
+        Config(model=m, batch=b, seq=s, dtype=d, mode=mode, sockets=sockets, warmup=warmup, iters=iters, tiny=tiny,
+               decode=decode)
         for m, d, b, s, mode in itertools.product(
             dict.fromkeys(models), dict.fromkeys(dtypes), dict.fromkeys(batches), dict.fromkeys(seqs), modes
         )

@@ -12,7 +12,7 @@ import sys
 __all__ = ["main"]
 
 # Subcommand modules of this package, in the order ``numatp --help`` lists them.
-_COMMANDS: tuple[str, ...] = ("demo", "topo", "explain", "bench", "report", "calibrate", "predict")
+_COMMANDS: tuple[str, ...] = ("demo", "generate", "topo", "explain", "bench", "report", "calibrate", "predict")
 
 
 def build_parser() -> argparse.ArgumentParser:

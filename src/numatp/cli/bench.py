@@ -1,5 +1,6 @@
 """``numatp bench``: measure prefill time per (model, batch, seq, dtype, mode), one fresh process each,
-into ``DIR/results.jsonl``, then write the report (``numatp report``)."""
+into ``DIR/results.jsonl``, then write the report (``numatp report``). ``--decode N`` adds the time to
+first token and decode tokens/s of N generated tokens to each configuration."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help=f"untimed calls after the compiling one (default: 10; --quick: {QUICK['warmup']})")
     p.add_argument("--iters", type=int, metavar="N",
                    help=f"timed calls per configuration (default: 50; --quick: {QUICK['iters']})")
+    p.add_argument("--decode", type=int, default=0, metavar="N",
+                   help="also generate N tokens after the prompt (static cache) and record time to first token "
+                   "and decode tokens/s (decoder models only; default 0: prefill only)")
     p.add_argument("--out", type=Path, default=Path(_DEFAULT_OUT), metavar="DIR",
                    help=f"folder for results.jsonl, child logs and the report (default: ./{_DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true",
@@ -65,9 +69,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.set_defaults(run=run)
 
 
-def _validate_models(models: list[str], tiny: bool) -> None:
+def _validate_models(models: list[str], tiny: bool, decode: int = 0) -> None:
     from numatp import zoo
 
+    if decode < 0:
+        raise SystemExit(f"numatp bench: --decode {decode}: pass the number of tokens to generate (>= 1), or 0")
     for model in models:
         is_preset = model in zoo.PRESETS
         if not is_preset and not (Path(model) / "config.json").is_file():
@@ -78,6 +84,9 @@ def _validate_models(models: list[str], tiny: bool) -> None:
         if tiny and not is_preset:
             raise SystemExit(f"numatp bench: --tiny shrinks presets only, and {model!r} is a checkpoint folder; "
                              "drop --tiny or pass presets")
+        if decode and not zoo.can_generate(model, tiny=tiny):
+            raise SystemExit(f"numatp bench: --decode generates tokens, and {model!r} is an encoder; leave it "
+                             "out of a --decode sweep")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     quick = QUICK if args.quick else {}
     models = args.model or list(quick.get("models", PAPER_MODELS))
-    _validate_models(models, args.tiny)
+    _validate_models(models, args.tiny, args.decode)
     machine = Topology.detect()
     try:
         ranks = resolve_ranks(args.sockets, machine)
@@ -102,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             warmup=args.warmup if args.warmup is not None else quick.get("warmup", 10),
             iters=args.iters if args.iters is not None else quick.get("iters", 50),
             tiny=args.tiny,
+            decode=args.decode,
         )
         counts = run_sweep(configs, args.out, machine=machine, ranks=ranks, mechanism=args.mechanism,
                            timeout_s=args.timeout, memory_guard=args.memory_guard, progress=args.progress)

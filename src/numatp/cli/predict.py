@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from numatp.cost import CHOICES, BUILTIN_PROFILES, blocks_for, load_profile, predict, predict_model
+from numatp.cost import CHOICES, BUILTIN_PROFILES, blocks_for, load_profile, predict, predict_decode, predict_model
 
 __all__ = ["add_parser"]
 
@@ -26,6 +26,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--batch", type=int, metavar="B")
     parser.add_argument("--seq", type=int, metavar="S")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--decode", type=int, metavar="N",
+                        help="predict a decode step instead: N new tokens after a prompt of --seq tokens; "
+                        "without --platform, on each of the paper's platforms")
     parser.add_argument("--paper", action="store_true",
                         help="compare the model with the paper's results (takes no other option but --json)")
     parser.add_argument("--json", action="store_true",
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"numatp predict: --paper runs the paper's own sweep on its three platforms, so "
                              f"it takes no {', '.join(given)}; drop them, or drop --paper")
         return _paper(args.json)
+    if args.decode is not None:
+        return _decode(args)
     missing = [k for k, v in one.items() if v is None]
     if missing:
         raise SystemExit(f"numatp predict: {', '.join(missing)} missing; give --platform, --model, --batch and "
@@ -73,6 +78,36 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'total':>10}  " + "  ".join(f"{total[c] * 1e3:9.2f}ms" for c in CHOICES))
     print("(total sharded keeps the LM head unsharded, as the paper's NUMA-TP does)")
     print(f"predicted NUMA-TP speedup over the baseline: {total['speedup']:.2f}x")
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    missing = [k for k, v in {"--model": args.model, "--batch": args.batch, "--seq": args.seq}.items() if v is None]
+    if missing:
+        raise SystemExit(f"numatp predict --decode: {', '.join(missing)} missing (--seq is the prompt length)")
+    names = [args.platform] if args.platform else list(BUILTIN_PROFILES)
+    rows = []
+    try:
+        for name in names:
+            profile = load_profile(name)
+            r = predict_decode(args.model, args.batch, args.seq, args.decode, args.dtype, profile)
+            rows.append({"platform": profile.name, "sockets": profile.sockets, "context": r["context"],
+                         "bytes": r["bytes"], "seconds": {c: r[c] for c in CHOICES}, "speedup": r["speedup"],
+                         "roofline_tokens_per_s": profile.local_bw_gbs * 1e9 / r["bytes"]})
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"numatp predict: {e}") from e
+    if args.json:
+        print(json.dumps({"model": args.model, "batch": args.batch, "prompt": args.seq, "new_tokens": args.decode,
+                          "dtype": args.dtype, "platforms": rows}, indent=2))
+        return 0
+    print(f"{args.model} decode step, batch {args.batch}, prompt {args.seq} + {args.decode} new tokens "
+          f"({args.dtype}; the middle step reads {rows[0]['context']} cached positions, "
+          f"{rows[0]['bytes'] / 1e6:.1f} MB of weights and cache)")
+    print(f"{'platform':<16} {'sockets':>7}  " + "  ".join(f"{c:>11}" for c in CHOICES) + f"  {'speedup':>8}")
+    for r in rows:
+        print(f"{r['platform']:<16} {r['sockets']:>7}  " + "  ".join(f"{r['seconds'][c] * 1e3:9.2f}ms" for c in CHOICES)
+              + f"  {r['speedup']:>7.2f}x")
+    print("(speedup: unsharded / sharded per token; sharded splits attention, MLP and the LM head)")
     return 0
 
 

@@ -11,7 +11,7 @@ from numatp.cost.model import CHOICES, predict
 from numatp.cost.profile import MachineProfile, default_profile_path, load_profile
 from numatp.cost.shapes import BlockShape, blocks_for
 
-__all__ = ["Decision", "choose", "decide", "default_profile", "predict_model"]
+__all__ = ["Decision", "choose", "decide", "default_profile", "predict_decode", "predict_model"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,30 @@ def predict_model(
             use = "unsharded" if c == "sharded" and b.kind == "lm_head" else c
             out[c] += times[use]
     out["speedup"] = out["unsharded"] / out["sharded"]
+    return out
+
+
+def predict_decode(
+    preset: str | Mapping[str, Any], batch: int, prompt: int, new_tokens: int, dtype: str,
+    profile: MachineProfile,
+) -> dict[str, Any]:
+    """Predicted seconds of one decode step per choice, at the middle step of generating ``new_tokens``
+    after ``prompt`` (its attention reads ``prompt + new_tokens // 2`` cached positions), and
+    ``speedup`` = unsharded / sharded. A step reads every weight once for ``batch`` tokens: it is bound
+    by memory bandwidth, which sharding multiplies by the sockets. Sharded is what numatp runs in decode:
+    attention, MLP and the LM head (column-parallel, one row per sequence gathered) split over the
+    sockets. ``bytes`` is what one step reads from DRAM at least (weights and cached keys and values)."""
+    if new_tokens < 1 or prompt < 1:
+        raise ValueError(f"prompt={prompt}, new_tokens={new_tokens}: both must be >= 1")
+    context = prompt + new_tokens // 2
+    blocks = blocks_for(preset, batch, 1, dtype, context=context)
+    out: dict[str, Any] = {c: 0.0 for c in CHOICES}
+    for b in blocks:
+        for c in CHOICES:
+            out[c] += predict(b, profile, c)
+    out["speedup"] = out["unsharded"] / out["sharded"]
+    out["context"] = context
+    out["bytes"] = sum(b.weight_bytes() + b.cache_bytes() for b in blocks)
     return out
 
 

@@ -61,6 +61,7 @@ __all__ = ["CHOICES", "StageTime", "block_stages", "predict"]
 CHOICES: tuple[str, ...] = ("sharded", "unsharded", "one-socket")
 
 _MIB = 1 << 20
+_GEMV_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,11 @@ def block_stages(block: BlockShape, sockets: int) -> list[StageTime]:
         w, a = k * n * e, t * (k + n) * e
         stages.append(StageTime(f"gemm{i}", 2.0 * t * k * n, w, a, (w + a) / sockets, col))
     if block.kind == "attention":
-        scores = block.batch * block.heads * block.seq * block.seq * e  # (B, heads, S, S)
+        scores = block.batch * block.heads * block.seq * block.keys * e  # (B, heads, S, keys)
         # The unfused path writes the scores, softmax reads and writes them, PV reads them: 4 passes.
-        act = 4 * scores + t * (block.inner + 2 * block.kv_inner + block.inner) * e
-        flops = 4.0 * block.batch * block.heads * block.seq * block.seq * block.head_dim
+        # A decode step also reads the cached keys and values, split with the heads when sharded.
+        act = 4 * scores + t * (block.inner + 2 * block.kv_inner + block.inner) * e + block.cache_bytes()
+        flops = 4.0 * block.batch * block.heads * block.seq * block.keys * block.head_dim
         stages.append(StageTime("core", flops, 0.0, act, act / sockets, True))
     # Normalisation (read, write) and residual add on (B, S, hidden); replicated when sharded.
     stages.append(StageTime("norm", 0.0, 0.0, 3.0 * t * block.hidden * e, 3.0 * t * block.hidden * e, False))
@@ -108,7 +110,11 @@ def _traffic(stage: StageTime, block: BlockShape, profile: MachineProfile, per_s
 def _compute(stage: StageTime, block: BlockShape, profile: MachineProfile, sockets: int) -> float:
     if stage.flops == 0.0:
         return 0.0
-    rate = profile.gemm_gflops(block.dtype, stage.flops / sockets, profile.cores_per_socket)
+    # a few tokens (a decode step) make matrix-vector products that stream their weight once: the
+    # small-GEMM fall-off (too few tiles to spread over the cores) does not apply, the large-GEMM rate
+    # bounds them, and memory decides
+    work = 1e30 if block.tokens < _GEMV_TOKENS else stage.flops / sockets
+    rate = profile.gemm_gflops(block.dtype, work, profile.cores_per_socket)
     return stage.flops / (sockets * rate * 1e9)
 
 

@@ -47,6 +47,9 @@ class BlockShape:
     """GeGLU/SwiGLU MLP: the up projection is two matrices (gate and up) of ``inner`` columns each."""
     dtype: str = "float32"
     """Element type of weights and activations: ``"float32"`` or ``"bfloat16"``."""
+    context: int = 0
+    """Keys and values each query attends to (attention only): 0 means ``seq`` (a prefill); a decode step
+    has ``seq`` 1 and reads ``context`` cached positions."""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -55,6 +58,9 @@ class BlockShape:
             raise ValueError(
                 f"BlockShape dtype={self.dtype!r} is not modelled; use one of {', '.join(DTYPE_BYTES)}"
             )
+        if self.context and self.context < self.seq:
+            raise ValueError(f"BlockShape context={self.context} is shorter than seq={self.seq}: the queries "
+                             "attend to their own positions at least")
         for name in ("batch", "seq", "hidden", "inner"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BlockShape {name}={getattr(self, name)} must be >= 1; pass a positive size")
@@ -69,6 +75,17 @@ class BlockShape:
     def tokens(self) -> int:
         """batch x seq: the M of every projection GEMM."""
         return self.batch * self.seq
+
+    @property
+    def keys(self) -> int:
+        """Positions each query attends to: ``context``, or ``seq`` in a prefill."""
+        return self.context or self.seq
+
+    def cache_bytes(self) -> int:
+        """Bytes of cached keys and values the attention reads beyond this call's own (a decode step's)."""
+        if self.kind != "attention" or self.keys == self.seq:
+            return 0
+        return 2 * self.batch * self.kv_heads * self.keys * self.head_dim * self.itemsize
 
     @property
     def itemsize(self) -> int:
@@ -95,8 +112,8 @@ class BlockShape:
         """Multiply-adds x 2 of the projections plus, for attention, QK^T and PV over all heads."""
         gemm = sum(2.0 * self.tokens * k * n for k, n, _ in self.gemms())
         if self.kind == "attention":
-            # (B, heads, S, S) scores: S x S x head_dim MACs for QK^T and again for PV, per head.
-            gemm += 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
+            # (B, heads, S, keys) scores: S x keys x head_dim MACs for QK^T and again for PV, per head.
+            gemm += 4.0 * self.batch * self.heads * self.seq * self.keys * self.head_dim
         return gemm
 
 
@@ -109,9 +126,10 @@ def _describe(preset: str | Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def blocks_for(
-    preset: str | Mapping[str, Any], batch: int, seq: int, dtype: str = "float32"
+    preset: str | Mapping[str, Any], batch: int, seq: int, dtype: str = "float32", *, context: int = 0
 ) -> list[BlockShape]:
-    """Attention and MLP per layer, in order, then the LM head, for a zoo preset or describe() dict."""
+    """Attention and MLP per layer, in order, then the LM head, for a zoo preset or describe() dict.
+    ``context``: positions the attention reads (a decode step: ``seq`` 1, the cache's filled length)."""
     d = _describe(preset)
     try:
         layers, hidden, heads = int(d["layers"]), int(d["hidden"]), int(d["heads"])
@@ -128,7 +146,7 @@ def blocks_for(
     common = {"batch": batch, "seq": seq, "hidden": hidden, "dtype": dtype}
     attention = BlockShape(
         kind="attention", inner=heads * head_dim, kv_inner=kv_heads * head_dim, heads=heads,
-        kv_heads=kv_heads, head_dim=head_dim, **common,
+        kv_heads=kv_heads, head_dim=head_dim, context=context, **common,
     )
     mlp_block = BlockShape(kind="mlp", inner=intermediate, gated=_GATED[mlp], **common)
     return [b for _ in range(layers) for b in (attention, mlp_block)] + [

@@ -38,6 +38,9 @@ class Binding:
     lookup: bool = False
     """A vocabulary-parallel lookup's rows: the same shard as a tied LM head's, kept plain (unpacked) when
     the LM head's operand is replaced by a GEMM-packed one."""
+    state: bool = False
+    """An input the program writes in place (a KV cache, its length): each socket holds its own copy of
+    its part (``Replicate()`` or the heads of a ``Colwise``), kept from call to call."""
 
 
 @dataclass
@@ -48,8 +51,8 @@ class LocalProgram:
 
     @property
     def weight_indices(self) -> set[int]:
-        """Indices of the program's arguments that are weights (bound with a placement)."""
-        return {i for i, bd in enumerate(self.bindings) if bd.placement is not None}
+        """Indices of the program's arguments that are weights (bound with a placement, not a state)."""
+        return {i for i, bd in enumerate(self.bindings) if bd.placement is not None and not bd.state}
 
 
 def _local_shape(node: torch.fx.Node, rank: int) -> list[int]:
@@ -88,7 +91,9 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
     for i, p in enumerate(placeholders):
         if p not in params:
             env[p] = g.placeholder(p.name)
-            bindings.append(Binding(i, None))
+            lay = p.meta["numatp"].layout
+            bindings.append(Binding(i, None) if not ag.states[i] else
+                            Binding(i, Replicate() if lay is None else Colwise(lay.dim, lay.sets), state=True))
         elif replica_users(p, by_node):
             env[p] = weight(p, Replicate())
     for p in placeholders:

@@ -51,6 +51,7 @@ class NodeInfo:
     row_input: Shard | None = None   # a row matmul's sharded input: its weight rows are sliced the same way
     vocab_sets: tuple[IndexSet, ...] | None = None   # a vocabulary-parallel lookup: each socket's table rows
     index_at: tuple[int, int] | None = None   # index of one position along the shard dim: (dim, global position)
+    state: bool = False              # an input the graph writes in place; its layout is what is written
 
 
 class Unsupported(Exception):
@@ -239,6 +240,8 @@ def _rule(node: torch.fx.Node, info: NodeInfo, grouped: set[int]) -> Layout:
         return tuple(out for _ in node.meta["val"]) if isinstance(node.meta["val"], (tuple, list)) else out
     if t in ATTENTION_OPS:
         return _attention(node, info, block, grouped)
+    if t in (aten.index_put.default, aten.copy_.default):
+        return _state_write(node, block)
     if t in (aten.bmm.default, aten.baddbmm.default):   # baddbmm: Bloom's ALiBi bias + q @ k^T
         shard = _align(ins, node, info)
         if shard.dim != 0:
@@ -247,6 +250,44 @@ def _rule(node: torch.fx.Node, info: NodeInfo, grouped: set[int]) -> Layout:
     if hasattr(t, "tags") and torch.Tag.pointwise in t.tags or t is aten.where.self:
         return _align(ins, node, info)
     raise Unsupported(block, f"{_where(node)} has no sharding rule")
+
+
+def _state_write(node: torch.fx.Node, block: int) -> Layout:
+    """A write into an input the graph mutates (a static KV cache): ``index_put(state, [.., positions],
+    new)`` with ``new`` sharded along a dimension the positions do not index, or its ``copy_`` back.
+    The state takes the shard of what is written into it: each socket keeps its own heads' keys and
+    values and never sees the others'."""
+    state, new = node.args[0], node.args[2] if node.target is aten.index_put.default else node.args[1]
+    lay = new.meta["numatp"].layout if isinstance(new, torch.fx.Node) else None
+    if not isinstance(lay, Shard):
+        raise Unsupported(block, f"{_where(node)} writes into a sharded value")
+    if node.target is aten.index_put.default:
+        indices = node.args[1]
+        if len(_shape(new)) != len(_shape(state)) or (lay.dim < len(indices) and indices[lay.dim] is not None):
+            raise Unsupported(block, f"{_where(node)} writes along the sharded dimension")
+        if node.args[3] if len(node.args) > 3 else False:
+            raise Unsupported(block, f"{_where(node)} accumulates into its target")
+    held = state.meta["numatp"].layout
+    if held is None and state.op == "placeholder" and state.meta["numatp"].state:
+        before = _seen(node)
+        if any(u is not node and u in before for u in state.users):
+            raise Unsupported(block, f"{_where(node)} writes heads into {state.name}, which is read whole "
+                                     "before")
+        state.meta["numatp"].layout = held = lay
+    if not isinstance(held, Shard) or (held.dim, held.sets) != (lay.dim, lay.sets):
+        raise Unsupported(block, f"{_where(node)} writes a shard into {state.name}, which is "
+                                 f"{'replicated' if held is None else 'split differently'}")
+    return held
+
+
+def _seen(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes before ``node`` in its graph."""
+    out = set()
+    for n in node.graph.nodes:
+        if n is node:
+            return out
+        out.add(n)
+    return out
 
 
 def group_head_sets(heads: int, q_heads: int, kv_heads: int, sockets: int) -> tuple[IndexSet, ...] | None:
@@ -371,16 +412,18 @@ def _attention(node: torch.fx.Node, info: NodeInfo, block: int, grouped: set[int
 
 
 def propagate(gm: torch.fx.GraphModule, column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]],
-              rows: dict[torch.fx.Node, int], lm_heads: set[torch.fx.Node], grouped: set[int] = frozenset()) -> None:
+              rows: dict[torch.fx.Node, int], lm_heads: set[torch.fx.Node], grouped: set[int] = frozenset(),
+              states: set[torch.fx.Node] = frozenset()) -> None:
     """Annotate every node with its :class:`NodeInfo`.
 
     ``column_sets`` maps a column (or LM-head) matmul to ``(block, per-socket output sets)``; ``rows`` maps a
     row matmul to its block; ``grouped`` holds the blocks whose column sets already follow their K/V
     groups. Raises :class:`Unsupported` naming the block that cannot be sharded (:class:`GroupSplit` where
-    group-aware sets may help).
+    group-aware sets may help). ``states`` are the inputs the graph writes in place: each takes the
+    layout of the first shard written into it (:func:`_state_write`).
     """
     for node in gm.graph.nodes:
-        info = NodeInfo()
+        info = NodeInfo(state=node in states)
         node.meta["numatp"] = info
         if node.op != "call_function":
             continue

@@ -159,25 +159,32 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
             t = user.target
             if t in VIEW_OPS:
                 dst = tuple(user.meta["val"].shape)
+                last = dim == len(shape) - 1 and len(dst) == len(shape) + 1 and scale == 1
+                if last and len(shape) == 2 and dst[-1] == shape[-1]:
+                    # (B * S, F) -> (B, S, F): the tokens get their batch and sequence back. Said first: with
+                    # B = S = 1 (a decode step) the shapes alone would also read as one head of F features
+                    todo.append((user, len(dst) - 1, offset, length, scale))
+                    continue
+                if last and len(shape) >= 3 and dst[:-2] == shape[:-1] and dst[-2] * dst[-1] == shape[-1]:
+                    # (B, S, heads * hd) -> (B, S, heads, hd): a shard holds whole heads (one head: all of
+                    # it), whatever sizes of one B and S would make the generic grouping below merge
+                    units.append((offset, length, dst[-1]))
+                    todo.append((user, len(dst) - 2, offset, length, dst[-1]))
+                    continue
                 for gi, gj in view_groups(shape, dst):
                     if dim in gi:
-                        if len(gj) == 1:
-                            if (len(dst) == len(shape) + 1 and gj[0] == len(dst) - 1 == dim + 1
-                                    and dst[dim] == 1 and scale == 1):
-                                # (.., hd) -> (.., 1, hd): one head (a single K/V head): keep it whole, and
-                                # follow its heads dimension (slices inside the head, as RoPE's, cut nothing)
-                                units.append((offset, length, length))
-                                todo.append((user, dim, offset, length, length))
-                            else:
-                                todo.append((user, gj[0], offset, length, scale))
+                        # dimensions of size one carry no features (view_groups merges them into a group)
+                        into = [d for d in gj if dst[d] != 1] or [gj[-1]]
+                        if len(into) == 1:
+                            todo.append((user, into[0], offset, length, scale))
                         elif [d for d in gi if shape[d] != 1] == [dim] and scale == 1:
-                            # (.., heads*hd) -> (.., heads, hd): a shard must hold whole heads, even one head
+                            # (.., heads*hd) -> (.., heads, hd): a shard must hold whole heads
                             inner = 1
-                            for d in gj[1:]:
+                            for d in into[1:]:
                                 inner *= dst[d]
                             units.append((offset, length, inner))
                             # heads read apart (Falcon's q = [..., :-2, :], k = [..., [-2], :]) are pieces too
-                            todo.append((user, gj[0], offset, length, inner))
+                            todo.append((user, into[0], offset, length, inner))
                         break
             elif t in (aten.split.Tensor, aten.split_with_sizes.default):
                 sdim = user.args[2] if len(user.args) > 2 else 0

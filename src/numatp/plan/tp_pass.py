@@ -110,6 +110,7 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = {n: ag.names[i] for i, n in enumerate(placeholders)}
     params = {n for i, n in enumerate(placeholders) if ag.is_param[i]}
+    states = {n for i, n in enumerate(placeholders) if ag.states[i]}
     matmuls = find_weight_matmuls(gm, params)
     by_node = {m.node: m for m in matmuls}
     excluded: set[torch.fx.Node] = set()
@@ -167,7 +168,7 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
             lm_heads.add(m.node)
             members.append((None, [m], []))
         try:
-            propagate(gm, column_sets, rows, lm_heads, grouped_ids)
+            propagate(gm, column_sets, rows, lm_heads, grouped_ids, states)
             break
         except Unsupported as e:
             row, cols, _ = members[e.block]

@@ -3,6 +3,11 @@
 The graph is functionalised and decomposed with Inductor's own decomposition table, traced with fake
 tensors at the concrete input shapes (so every node has ``meta["val"]`` with its global shape), and
 keeps ``nn_module_stack`` for messages. Parameters stay placeholders.
+
+An input the model writes in place (a static KV cache's keys, values and lengths) stays a placeholder
+that the graph ends up ``copy_``-ing its new value into; :attr:`AtenGraph.states` marks it. Each such
+write-back is moved to right after the last read of the old value, so that it lands in the same
+compiled segment as the write (where Inductor turns ``index_put`` + ``copy_`` into one in-place write).
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ class AtenGraph:
     gm: torch.fx.GraphModule
     is_param: list[bool]
     names: list[str]
+    states: list[bool] | None = None   # per placeholder: an input the graph writes in place (a cache)
+
+    def __post_init__(self) -> None:
+        if self.states is None:
+            self.states = [False] * len(self.is_param)
 
 
 _DYNAMO_PARTS = re.compile(r"_(modules|parameters|buffers)_")
@@ -62,6 +72,7 @@ def trace_aten(
     # dead values the trace leaves behind (bf16 GPT-2: a cast of the tied weight's transpose nobody reads)
     # would count as readers of a whole weight; ops with side effects are kept
     traced.graph.eliminate_dead_code()
+    written = _write_backs_early(traced)
     traced.recompile()
     is_param = [isinstance(a, torch.nn.Parameter) for a in example_inputs]
     readable = []
@@ -72,4 +83,22 @@ def trace_aten(
             readable.append(parameter_name(placeholders[i].name) if is_param[i] else placeholders[i].name)
         else:
             readable.append(f"input{i}")
-    return AtenGraph(gm=traced, is_param=is_param, names=readable)
+    states = [n in written for n in traced.graph.nodes if n.op == "placeholder"]
+    return AtenGraph(gm=traced, is_param=is_param, names=readable, states=states)
+
+
+def _write_backs_early(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """Move each ``copy_(input, new)`` that functionalisation put at the end of the graph to right after
+    ``new`` and every other read of ``input``; return the inputs written."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    written = set()
+    for node in list(gm.graph.nodes):
+        if node.target is not torch.ops.aten.copy_.default or node.args[0].op != "placeholder":
+            continue
+        dst, src = node.args[0], node.args[1]
+        written.add(dst)
+        after = max([src, *(u for u in dst.users if u is not node)], key=order.__getitem__)
+        if order[after] < order[node]:
+            after.append(node)
+    gm.graph.lint()
+    return written

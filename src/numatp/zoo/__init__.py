@@ -24,7 +24,7 @@ from transformers.initialization import no_init_weights
 
 from numatp.zoo._presets import FULL, MLP_KIND, TINY
 
-__all__ = ["PRESETS", "build", "config", "describe", "example_inputs"]
+__all__ = ["PRESETS", "build", "can_generate", "config", "describe", "example_inputs"]
 
 PRESETS: tuple[str, ...] = ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m", "llama",
                             "qwen2.5-0.5b", "llama-3.2-1b", "phi-3-mini")
@@ -92,6 +92,15 @@ def _model_class(cfg: PretrainedConfig, *, head: bool) -> type[torch.nn.Module]:
             f"{', '.join(sorted(_CLASSES))}; build the model with transformers directly"
         )
     return getattr(transformers, _CLASSES[cfg.model_type][0 if head else 1])
+
+
+def can_generate(name_or_path: str, *, tiny: bool = False) -> bool:
+    """Whether :func:`build` gives a model that generates text (a decoder with an LM head, not BERT's
+    masked-LM encoder)."""
+    cfg = _resolve_config(name_or_path, tiny=tiny)
+    if cfg.model_type == "bert" or getattr(cfg, "is_encoder_decoder", False):
+        return False
+    return cfg.model_type not in _CLASSES or _model_class(cfg, head=True).can_generate()
 
 
 @torch.no_grad()

@@ -1,0 +1,102 @@
+"""Each socket's own copy of the inputs its program writes in place: a static KV cache and its lengths.
+
+A model run with a static cache (transformers' ``StaticCache``) writes the new keys and values into
+tensors it is given, at every call. In the socket programs those writes are split like the K/V
+projections: socket r writes the K/V heads it computes, so the store keeps, per socket, a tensor of
+just those heads, on the socket's node (``numa_clone``, pages bound before first touch), made once from
+the caller's tensor and then written in place by every call, never gathered. A replicated state (the
+cache's length counter) is copied per socket as well, since every socket's program increments its own.
+
+The caller's tensors are the keys: a second cache gets states of its own, and a cache's states are
+dropped when its tensors are. After each call the replicated states are copied back into the caller's
+tensors (so that ``cache.get_seq_length()`` stays right); the sharded K/V stay on their sockets.
+:meth:`StateStore.reload` copies the caller's tensors in again (after ``cache.reset()``).
+"""
+
+from __future__ import annotations
+
+import weakref
+import torch
+
+from numatp.placement import numa_clone
+from numatp.plan.localize import Binding
+from numatp.plan.reference import shard_tensor
+from numatp.plan.schema import Placement, Replicate
+from numatp.topology import Topology
+
+__all__ = ["StateStore"]
+
+
+class StateStore:
+    def __init__(self, topology: Topology, *, strict: bool = False):
+        self.topology = topology
+        self.strict = strict
+        self.place = not topology.is_virtual
+        self._made: dict[tuple, tuple[torch.Tensor, Placement]] = {}   # key -> (socket's copy, placement)
+        self._sources: dict[int, weakref.ref] = {}
+        self._layouts: dict[int, tuple | None] = {}   # how each caller tensor is split (None: replicated)
+
+    @staticmethod
+    def _key(user: torch.Tensor, b: Binding, rank: int) -> tuple:
+        p = b.placement
+        return (id(user), None if isinstance(p, Replicate) else (p.dim, tuple(map(str, p.splits))), rank)
+
+    def get(self, user: torch.Tensor, b: Binding, rank: int) -> torch.Tensor:
+        """Socket ``rank``'s copy of its part of ``user`` (made on first use from ``user``'s values)."""
+        key = self._key(user, b, rank)
+        made = self._made.get(key)
+        if made is None:
+            if id(user) not in self._sources:
+                self._sources[id(user)] = weakref.ref(user)
+                self._layouts[id(user)] = key[1]
+                weakref.finalize(user, self._forget, id(user))
+            elif self._layouts[id(user)] != key[1]:
+                raise RuntimeError(
+                    f"numatp: a state input of shape {tuple(user.shape)} (a KV cache tensor) is held "
+                    f"{_describe(self._layouts[id(user)])} by one compiled graph and {_describe(key[1])} by "
+                    "another (a prefill and a decode step of the same cache sharded differently); the "
+                    "sockets' copies would disagree. Compile with policy='never', or report the model")
+            made = self._made[key] = (self._copy(user, b.placement, rank), b.placement)
+        return made[0]
+
+    def _copy(self, user: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
+        with torch.no_grad():
+            part = shard_tensor(user.detach(), placement, rank)
+            if self.place:
+                return numa_clone(part, self.topology.sockets[rank].node, strict=self.strict)
+            return part.clone(memory_format=torch.contiguous_format)
+
+    def write_back(self, user: torch.Tensor, b: Binding) -> None:
+        """Copy socket 0's value of a replicated state into the caller's tensor."""
+        with torch.no_grad():
+            user.copy_(self._made[self._key(user, b, 0)][0])
+
+    def reload(self, user: torch.Tensor | None = None) -> None:
+        """Copy the caller's values into every socket's copy again: of ``user``, or of every state."""
+        with torch.no_grad():
+            for key, (local, placement) in self._made.items():
+                source = self._sources[key[0]]()
+                if source is not None and (user is None or source is user):
+                    local.copy_(shard_tensor(source.detach(), placement, key[2]))
+
+    def _forget(self, ident: int) -> None:
+        self._sources.pop(ident, None)
+        self._layouts.pop(ident, None)
+        for key in [k for k in self._made if k[0] == ident]:
+            del self._made[key]
+
+    @property
+    def nbytes(self) -> list[int]:
+        """Bytes each socket holds."""
+        out = [0] * self.topology.num_sockets
+        for key, (t, _) in self._made.items():
+            out[key[2]] += t.numel() * t.element_size()
+        return out
+
+    def tensors(self, rank: int) -> list[torch.Tensor]:
+        """Socket ``rank``'s state tensors (for placement checks)."""
+        return [t for k, (t, _) in self._made.items() if k[2] == rank]
+
+
+def _describe(layout: tuple | None) -> str:
+    return "whole on every socket" if layout is None else f"split along dim {layout[0]} as {list(layout[1])}"

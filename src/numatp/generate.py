@@ -1,0 +1,202 @@
+"""Text generation through NUMA-TP: the prefill and every decode step run as socket programs.
+
+``numatp.compile(model).generate(input_ids, max_new_tokens=N)`` (or :func:`generate` on any model
+compiled with numatp) follows transformers' ``generate`` for decoder-only models: greedy or sampled
+(``temperature``, ``top_k``, ``top_p``, from the model's ``generation_config`` where not given),
+``attention_mask`` with left padding, batches, ``eos_token_id`` / ``pad_token_id``; it returns the prompt
+followed by the new tokens, as ``generate`` does.
+
+The cache is static (transformers' ``StaticCache`` layout: per layer, keys and values of shape
+``(batch, kv_heads, max_len, head_dim)``), so the decode step has the same shapes at every token and
+compiles once per (batch, cache length); the prompt compiles once per length. The NUMA-TP pass splits
+each layer's cache like its K/V projection, and every socket keeps its heads' part in its own memory
+(:mod:`numatp.backend.states`), written in place by the decode program and never gathered. Sliding-
+window layers get a cache of the full length (the mask keeps the window), since transformers' sliding
+layer counts its length in a Python integer that would compile a new program at every token.
+
+Only the last position's logits are computed (``logits_to_keep=1``): the column-parallel LM head
+gathers one row per sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Generation", "generate", "generate_timed", "static_cache"]
+
+_CACHE_STEP = 64   # cache lengths are rounded up to a multiple: nearby prompt lengths share a decode program
+
+
+@dataclass
+class Generation:
+    """A generation's tokens and where its time went."""
+
+    sequences: torch.Tensor       # (batch, prompt + new tokens), as transformers' generate returns them
+    prompt_tokens: int
+    new_tokens: int               # decode positions produced (the longest row, EOS padding included)
+    prefill_seconds: float        # the prompt's forward pass and the first token: time to first token
+    decode_seconds: float         # every later token
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second per sequence after the first (each step makes one token for every row)."""
+        steps = self.new_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else float("nan")
+
+
+def generate(compiled: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             **kwargs: Any) -> torch.Tensor:
+    """``compiled.generate(...)`` for a model compiled by numatp: see :func:`generate_timed` for the arguments."""
+    return generate_timed(compiled, input_ids, attention_mask, **kwargs).sequences
+
+
+def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                   max_new_tokens: int | None = None, do_sample: bool | None = None,
+                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                   generator: torch.Generator | None = None, max_cache_len: int | None = None,
+                   **unknown: Any) -> Generation:
+    """Generate up to ``max_new_tokens`` after ``input_ids`` (batch, prompt) with ``compiled``.
+
+    ``attention_mask`` (batch, prompt): 1 for tokens, 0 for left padding. Sampling draws from
+    ``generator`` where given. ``max_cache_len``: the static cache's length (default: prompt + new
+    tokens, rounded up to a multiple of 64). Options not listed here are refused by name.
+    """
+    if unknown:
+        raise TypeError(f"numatp generate does not take {sorted(unknown)}; it takes max_new_tokens, do_sample, "
+                        "temperature, top_k, top_p, eos_token_id, pad_token_id, generator, max_cache_len "
+                        "(for other options, call the uncompiled model's generate)")
+    model = getattr(compiled, "_orig_mod", compiled)
+    config = getattr(model, "config", None)
+    can = getattr(model, "can_generate", None)
+    if config is None or getattr(config, "is_encoder_decoder", False) or not (can is not None and can()):
+        raise ValueError(f"{type(model).__name__} cannot generate: numatp generates with decoder-only "
+                         "transformers models (a *ForCausalLM / *LMHeadModel)")
+    gen_cfg = model.generation_config
+    pick = (lambda given, name, default=None:
+            given if given is not None else getattr(gen_cfg, name, None) if getattr(gen_cfg, name, None)
+            is not None else default)
+    max_new_tokens = pick(max_new_tokens, "max_new_tokens", 20)
+    do_sample = bool(pick(do_sample, "do_sample", False))
+    eos = pick(eos_token_id, "eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    pad = pick(pad_token_id, "pad_token_id")
+    if pad is None:
+        pad = eos[0] if eos else 0
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"input_ids: expected an integer tensor of shape (batch, prompt), got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
+    batch, prompt = input_ids.shape
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if tuple(attention_mask.shape) != (batch, prompt):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {(batch, prompt)}: "
+                         "they must match (left padding: 0 where a row has no token)")
+    if bool((attention_mask[:, -1] == 0).any()):
+        raise ValueError("attention_mask ends with 0 in some row: pad prompts on the left (tokenizer "
+                         "padding_side='left'), as generation appends on the right")
+    need = prompt + max_new_tokens
+    length = max_cache_len if max_cache_len is not None else -(-need // _CACHE_STEP) * _CACHE_STEP
+    if length < need:
+        raise ValueError(f"max_cache_len={length}: the prompt ({prompt}) and max_new_tokens "
+                         f"({max_new_tokens}) need {need} positions")
+    limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if limit is not None and need > limit:
+        raise ValueError(f"prompt {prompt} + max_new_tokens {max_new_tokens} = {need} positions, beyond the "
+                         f"model's max_position_embeddings ({limit}): shorten the prompt or generate fewer tokens")
+    warp = _warpers(pick(temperature, "temperature"), pick(top_k, "top_k"), pick(top_p, "top_p")) if do_sample else []
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+    with torch.inference_mode():
+        cache = _reusable_cache(compiled, model, batch, length, dtype)
+        ids = input_ids.clone()
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[:, :prompt] = attention_mask
+        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        unfinished = torch.ones(batch, dtype=torch.bool)
+        eos_t = torch.tensor(eos, dtype=torch.long)
+        sequences = [ids]
+        t0 = time.perf_counter()
+        decode_start = None
+        token = None
+        for step in range(max_new_tokens):
+            if step == 1:
+                decode_start = time.perf_counter()
+            step_ids = ids if step == 0 else token[:, None]
+            step_pos = positions if step == 0 else positions[:, -1:] + step
+            out = compiled(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1, :].to(torch.float32)
+            for w in warp:
+                logits = w(None, logits)
+            if do_sample:
+                token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+            else:
+                token = logits.argmax(-1)
+            token = torch.where(unfinished, token, torch.full_like(token, pad))
+            sequences.append(token[:, None])
+            if eos:
+                unfinished &= ~torch.isin(token, eos_t)
+                if not bool(unfinished.any()):
+                    break
+        end = time.perf_counter()
+    first = (decode_start or end) - t0
+    return Generation(torch.cat(sequences, 1), prompt, len(sequences) - 1, first,
+                      end - decode_start if decode_start is not None else 0.0)
+
+
+def static_cache(model: torch.nn.Module, batch: int, max_len: int, dtype: torch.dtype) -> Any:
+    """A transformers ``StaticCache`` for ``model``, allocated now, every layer ``max_len`` long."""
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    cfg = model.config.get_text_config(decoder=True)
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    # a sliding-window layer keeps its length in a Python int (a new program per token under torch.compile);
+    # a full-length layer holds every position and the model's sliding mask keeps the window
+    cache.layers = [StaticLayer(max_cache_len=max_len) if isinstance(layer, StaticLayer) else layer
+                    for layer in cache.layers]
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache.early_initialization(batch, heads, head_dim, dtype, torch.device("cpu"))
+    return cache
+
+
+def _reusable_cache(compiled: Any, model: torch.nn.Module, batch: int, length: int, dtype: torch.dtype) -> Any:
+    """The cache of this (batch, length, dtype), made once per compiled model and reset for each generation:
+    the decode program is compiled for its tensors, and the sockets' copies of it are reloaded."""
+    from numatp.backend import backend_of
+
+    caches = compiled.__dict__.setdefault("_numatp_caches", {})
+    key = (batch, length, dtype)
+    cache = caches.get(key)
+    if cache is None:
+        cache = caches[key] = static_cache(model, batch, length, dtype)
+        return cache
+    cache.reset()
+    try:
+        backend = backend_of(compiled)
+    except ValueError:
+        return cache   # not run through numatp yet: nothing holds a copy
+    backend.reload_states()
+    return cache
+
+
+def _warpers(temperature: float | None, top_k: int | None, top_p: float | None) -> list[Any]:
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    out: list[Any] = []
+    if temperature is not None and temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k != 0:
+        out.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p))
+    return out
