@@ -97,6 +97,27 @@ def speedup_bars(speedups: Mapping[str, Mapping[Point, float]], out: Path) -> li
     return [_save(fig, out / "speedup.png")]
 
 
+def decode_bars(rates: Mapping[str, Mapping[Point, Mapping[str, float]]], out: Path) -> list[Path]:
+    """One PNG with a panel per (model, dtype): decode tokens/s per (batch, prompt), one bar per mode."""
+    groups = sorted({(p.model, p.dtype) for r in rates.values() for p in r})
+    if not groups:
+        return []
+    modes = [m for m, r in rates.items() if r]
+    fig = Figure(figsize=(10, 2.6 * len(groups)), layout="constrained")
+    axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
+    width = 0.8 / len(modes)
+    for ax, (model, dtype) in zip(axes, groups):
+        points = sorted({p for r in rates.values() for p in r if (p.model, p.dtype) == (model, dtype)})
+        for k, mode in enumerate(modes):
+            heights = [rates[mode][p]["tokens_per_s"] if p in rates[mode] else np.nan for p in points]
+            ax.bar(np.arange(len(points)) + (k - (len(modes) - 1) / 2) * width, heights, width, label=mode)
+        ax.set_xticks(range(len(points)), [f"b{p.batch}\nprompt {p.seq}" for p in points], fontsize=8)
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{model} {dtype}: decode")
+    axes[0].legend(ncols=min(len(modes), 5), fontsize=8, loc="upper left")
+    return [_save(fig, out / "decode.png")]
+
+
 def scaling_plot(series: Mapping[str, Mapping[int, float]], out: Path) -> list[Path]:
     """One PNG: geometric-mean speedup against sequence length per mode, parity dashed, the region
     above parity shaded."""

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 from numatp.bench.spec import MODES
 from numatp.bench.sweep import read_results
 
-__all__ = ["Point", "PolicyRow", "mean_times", "policy_table", "scaling", "speedups", "write_report"]
+__all__ = ["Point", "PolicyRow", "decode_rates", "mean_times", "policy_table", "scaling", "speedups", "write_report"]
 
 SUMMARY = "summary.md"
 _PLOT_HINT = "pip install 'numatp[plot]'"
@@ -78,6 +78,16 @@ def speedups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, floa
         for mode, by_point in means.items()
         if mode != "baseline"
     }
+
+
+def decode_rates(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, Mapping[str, float]]]:
+    """Per mode then point, the decode measurement of a ``--decode`` sweep: ``tokens_per_s``,
+    ``first_token_s`` and ``new_tokens``."""
+    table: dict[str, dict[Point, Mapping[str, float]]] = {}
+    for (mode, point), r in _ok(records).items():
+        if r.get("decode"):
+            table.setdefault(mode, {})[point] = r["decode"]
+    return {m: dict(sorted(table[m].items())) for m in _mode_order(table)}
 
 
 def policy_table(records: Iterable[Mapping[str, Any]]) -> list[PolicyRow]:
@@ -150,6 +160,27 @@ def _markdown(records: list[Mapping[str, Any]], images: list[Path], plot_note: s
     for p in points:
         cells = [f"{1e3 * means[m][p]:.2f}" if p in means[m] else "-" for m in modes]
         lines.append(f"| {p.model} | {p.dtype} | {p.batch} | {p.seq} | " + " | ".join(cells) + " |")
+    decode = decode_rates(records)
+    if decode:
+        dmodes = list(decode)
+        dpoints = sorted({p for by_point in decode.values() for p in by_point})
+        base = decode.get("baseline", {})
+        lines += ["", "## Generation: decode tokens/s (time to first token, ms)", "",
+                  "Greedy tokens after the prompt with a static cache; tokens/s per sequence, medians of three "
+                  "generations. x: decode speed over the baseline's.", "",
+                  "| Model | dtype | Batch | Prompt | New | " + " | ".join(dmodes) + " |",
+                  "|---|---|---|---|---|" + "---|" * len(dmodes)]
+        for p in dpoints:
+            new = next(decode[m][p]["new_tokens"] for m in dmodes if p in decode[m])
+            cells = []
+            for m in dmodes:
+                d = decode[m].get(p)
+                if d is None:
+                    cells.append("-")
+                    continue
+                ratio = f", {d['tokens_per_s'] / base[p]['tokens_per_s']:.2f}x" if m != "baseline" and p in base else ""
+                cells.append(f"{d['tokens_per_s']:.1f} ({1e3 * d['first_token_s']:.0f}{ratio})")
+            lines.append(f"| {p.model} | {p.dtype} | {p.batch} | {p.seq} | {new} | " + " | ".join(cells) + " |")
     lines += ["", "## Figures", ""]
     lines += [f"![{image.stem}]({image.name})" for image in images] or [plot_note or "No figures."]
     problems = [r for r in records if r.get("status") in ("skipped", "error")]
@@ -182,6 +213,7 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> list
     else:
         images += plots.heatmaps(mean_times(records), out)
         images += plots.speedup_bars(speedups(records), out)
+        images += plots.decode_bars(decode_rates(records), out)
         if _nodes(records) > 2:
             images += plots.scaling_plot(scaling(records), out)
     summary = out / SUMMARY

@@ -1,0 +1,153 @@
+"""Decode targets of the generation issue, side by side: torch.compile with a static cache vs numatp on 1, 2
+(and 4, where the process has 4 CPUs) virtual sockets.
+
+One child process per (model, dtype); inside it every mode generates once untimed (compiling the prompt
+and the decode step), then the modes generate in turn, round after round (generation i of every mode
+before generation i+1 of any), so drift hits all alike. Each generation is greedy, ``--new-tokens``
+after a random prompt of ``--prompt`` tokens, with no EOS. torch.compile runs the same loop
+(:func:`numatp.generate.generate_timed`) on the same static cache layout, so the loop's own cost is the
+same in every mode. Reported per mode: time to first token and decode tokens/s (medians), numatp's
+decode against torch.compile's and 2 sockets against 1, and the share of the memory-bandwidth roofline
+numatp reaches: bytes per decode step (every weight once, plus the cached keys and values at the middle
+step's length) over the read bandwidth of ``numatp calibrate``'s profile, or measured here the same way
+(a sum over a 512 MiB buffer on all CPUs) when no profile is saved.
+
+    python benchmarks/decode.py --models gpt2 gpt2-medium --dtypes float32 bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _bandwidth_gbs() -> tuple[float, str]:
+    import torch
+
+    from numatp.cost import default_profile_path, load_profile
+
+    path = default_profile_path()
+    if path.is_file():
+        return load_profile(path).local_bw_gbs, f"numatp calibrate profile {path}"
+    buf = torch.ones(128 << 20)   # 512 MiB of fp32
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9, "measured here: a sum over 512 MiB on all CPUs (no calibrate profile)"
+
+
+def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds: int) -> dict:
+    import warnings
+
+    import torch
+
+    import numatp
+    from numatp import zoo
+    from numatp.cost import blocks_for
+    from numatp.generate import generate_timed
+    from numatp.topology import Topology
+
+    warnings.filterwarnings("ignore")
+    cpus = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cpus)
+    dtype = getattr(torch, dtype_name)
+    model = zoo.build(model_name, dtype=dtype)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
+    builders = {
+        "baseline": lambda: torch.compile(model),
+        "numatp-1": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=1)),
+        "numatp-2": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=2)),
+    }
+    if cpus >= 4:
+        builders["numatp-4"] = lambda: numatp.compile(model, sockets=Topology.virtual(sockets=4))
+    modes, tokens, compile_s = {}, {}, {}
+    for name, build in builders.items():
+        print(f"  compiling {name}", file=sys.stderr, flush=True)
+        fn = build()
+        t0 = time.perf_counter()
+        tokens[name] = generate_timed(fn, ids, **kw).sequences
+        compile_s[name] = time.perf_counter() - t0
+        modes[name] = fn
+    first: dict[str, list[float]] = {k: [] for k in modes}
+    rate: dict[str, list[float]] = {k: [] for k in modes}
+    for _ in range(rounds):
+        for name, fn in modes.items():
+            g = generate_timed(fn, ids, **kw)
+            first[name].append(g.prefill_seconds)
+            rate[name].append(g.decode_tokens_per_second)
+    ttft = {k: statistics.median(v) for k, v in first.items()}
+    tps = {k: statistics.median(v) for k, v in rate.items()}
+    bw, bw_source = _bandwidth_gbs()
+    d = zoo.describe(model_name)
+    context = prompt + new_tokens // 2
+    blocks = blocks_for(d, 1, 1, dtype_name, context=context)
+    step_bytes = sum(b.weight_bytes() + b.cache_bytes() for b in blocks)
+    roofline = bw * 1e9 / step_bytes
+    return {
+        "model": model_name, "dtype": dtype_name, "prompt": prompt, "new_tokens": new_tokens, "cpus": cpus,
+        "rounds": rounds, "first_token_s": ttft, "decode_tokens_per_s": tps, "compile_s": compile_s,
+        "cv": {k: statistics.pstdev(v) / statistics.mean(v) for k, v in rate.items()},
+        "numatp1_vs_baseline": tps["numatp-1"] / tps["baseline"],
+        "vs_numatp1": {k: tps[k] / tps["numatp-1"] for k in modes if k.startswith("numatp-") and k != "numatp-1"},
+        "greedy_equal_to_baseline": {k: bool(torch.equal(tokens[k], tokens["baseline"])) for k in modes},
+        "step_bytes": step_bytes, "bandwidth_gbs": bw, "bandwidth_source": bw_source,
+        "roofline_tokens_per_s": roofline,
+        "roofline_share": {k: v / roofline for k, v in tps.items()},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["gpt2", "gpt2-medium"], help="zoo presets (decoders)")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], help="float32 and/or bfloat16")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
+    p.add_argument("--rounds", type=int, default=3, help="timed generations per mode (default 3)")
+    p.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    p.add_argument("--child", nargs=2, metavar=("MODEL", "DTYPE"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child[0], a.child[1], a.prompt, a.new_tokens, a.rounds)))
+        return 0
+    rows = []
+    configs = [(m, d) for m in a.models for d in a.dtypes]
+    for i, (m, d) in enumerate(configs, 1):
+        print(f"[{i}/{len(configs)}] {m} {d}", file=sys.stderr, flush=True)
+        cmd = [sys.executable, __file__, "--child", m, d, "--prompt", str(a.prompt), "--new-tokens",
+               str(a.new_tokens), "--rounds", str(a.rounds)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
+        if r.returncode:
+            continue
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    print("\ntok/s: decode tokens per second (median); tp1/base: numatp on 1 socket against torch.compile with a "
+          "static cache (target >= 1); tp2/tp1: 2 virtual sockets against 1 (target >= 0.95); roof%: numatp's "
+          "best decode against the bandwidth roofline (target >= 70%); TTFT: time to first token")
+    print(f"{'model':<12} {'dtype':<9} {'base tok/s':>10} {'tp1 tok/s':>10} {'tp2 tok/s':>10} {'tp1/base':>9} "
+          f"{'tp2/tp1':>8} {'roof%':>6} {'TTFT base':>10} {'TTFT tp2':>9} {'greedy=':>8}")
+    for r in rows:
+        t = r["decode_tokens_per_s"]
+        best = max(v for k, v in r["roofline_share"].items() if k.startswith("numatp"))
+        same = all(r["greedy_equal_to_baseline"].values())
+        print(f"{r['model']:<12} {r['dtype']:<9} {t['baseline']:>10.1f} {t['numatp-1']:>10.1f} {t['numatp-2']:>10.1f} "
+              f"{r['numatp1_vs_baseline']:>9.3f} {r['vs_numatp1']['numatp-2']:>8.3f} {100 * best:>6.1f} "
+              f"{1e3 * r['first_token_s']['baseline']:>8.0f}ms {1e3 * r['first_token_s']['numatp-2']:>7.0f}ms "
+              f"{'yes' if same else 'no':>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
