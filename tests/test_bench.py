@@ -8,6 +8,7 @@ whole module runs one shared sweep with warmup 1 and iters 2; timings are never 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -291,3 +292,41 @@ def test_report_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def test_report_names_a_missing_folder(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match=r"does not exist; run `numatp bench --out"):
         main(["report", str(tmp_path / "nothing")])
+
+
+def test_decode_sweep_records_first_token_and_tokens_per_second(tmp_path: Path, machine: Topology) -> None:
+    # one real numatp child with --decode: the prefill timing, then three timed generations after one untimed
+    assert main(["bench", "--tiny", "--model", "gpt2", "--batch", "1", "--seq", "8", "--warmup", "0", "--iters", "1",
+                 "--modes", "numatp", "--decode", "3", "--no-progress", "--no-report", "--out", str(tmp_path)]) == 0
+    (r,) = read_results(tmp_path / RESULTS)
+    assert r["status"] == "ok", r.get("reason")
+    assert Config.from_dict(r).decode == 3 and "decode=3" in r["key"]
+    d = r["generation"]
+    assert d["new_tokens"] == 3 and len(d["runs"]) == 3
+    assert d["first_token_s"] == pytest.approx(statistics.median(x["first_token_s"] for x in d["runs"]))
+    assert d["tokens_per_s"] == pytest.approx(statistics.median(2 / x["decode_s"] for x in d["runs"]))
+
+
+def test_decode_sweep_refuses_encoders_and_negative_counts() -> None:
+    with pytest.raises(SystemExit, match="bert-small.*encoder"):
+        main(["bench", "--tiny", "--model", "gpt2", "bert-small", "--decode", "4", "--no-progress"])
+    with pytest.raises(SystemExit, match="--decode -1"):
+        main(["bench", "--tiny", "--model", "gpt2", "--decode", "-1", "--no-progress"])
+    with pytest.raises(ValueError, match="decode=-2"):
+        Config(model="gpt2", batch=1, seq=8, dtype="float32", mode="numatp", sockets=2, decode=-2)
+
+
+def test_report_shows_decode_rates_against_the_baseline(tmp_path: Path) -> None:
+    lines = []
+    for mode, rate, first in (("baseline", 20.0, 0.5), ("numatp", 25.0, 0.4)):
+        r = json.loads(FIXTURE.read_text().splitlines()[0])
+        r.update(mode=mode, model="gpt2", dtype="float32", batch=1, seq=128, status="ok",
+                 decode=64, generation={"new_tokens": 64, "first_token_s": first, "tokens_per_s": rate, "runs": []})
+        lines.append(json.dumps(r))
+    (tmp_path / RESULTS).write_text("\n".join(lines) + "\n")
+    written = write_report(tmp_path)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Generation: decode tokens/s" in summary
+    assert "| gpt2 | float32 | 1 | 128 | 64 | 20.0 (500) | 25.0 (400, 1.25x) |" in summary
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert tmp_path / "decode.png" in written

@@ -151,3 +151,18 @@ def test_demo_runs_baseline_and_numatp_side_by_side():
     rows = [line for line in r.stdout.splitlines() if line.startswith(("baseline", "numatp unsharded", "numatp sharded"))]
     assert len(rows) == 3, r.stdout
     assert "socket 1 weights -> node 0" in r.stdout
+
+
+def test_generate_prints_first_token_and_decode_speed(cli):
+    fresh_dynamo()
+    code, out, err = cli("generate", "gpt2", "--tiny", "--prompt-len", "8", "--new-tokens", "4", "--sockets", "2")
+    assert code == 0, err
+    assert "prompt 8 tokens, 4 new tokens" in out
+    row = next(line for line in out.splitlines() if line.startswith("numatp 2 sockets"))
+    first_ms, tokens_per_s, ms_per_token = map(float, row.split()[-3:])
+    assert first_ms > 0 and tokens_per_s > 0 and ms_per_token == pytest.approx(1e3 / tokens_per_s, rel=1e-2)
+
+
+def test_generate_refuses_text_without_a_tokenizer(cli):
+    code, _, err = cli("generate", "gpt2", "--tiny", "--prompt", "hello")
+    assert code == 2 and "--prompt needs a checkpoint folder with a tokenizer" in err and "--prompt-len" in err

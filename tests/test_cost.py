@@ -227,3 +227,33 @@ def test_calibrate_quick_virtual_two_sockets(tmp_path):
     assert p.sockets == 2 and p.remote_bw_gbs is None and p.remote_core_gbs is None and p.local_bw_gbs > 0
     assert {r[0] for r in p.gemm_table} == {"float32", "bfloat16"} and all(r[4] > 0 for r in p.gemm_table)
     assert p.barrier_us > 0 and p.allreduce_ns_per_byte > 0
+
+
+def test_decode_step_reads_every_weight_and_the_cache_and_sharding_splits_them():
+    from numatp.cost import BlockShape, predict_decode
+    from numatp.zoo import describe
+
+    d = describe("gpt2-medium")
+    layers, hidden, heads = d["layers"], d["hidden"], d["heads"]
+    result = predict_decode("gpt2-medium", 1, 128, 64, "float32", load_profile("cascadelake-2s"))
+    context = 128 + 32
+    weights = sum(b.weight_bytes() for b in blocks_for("gpt2-medium", 1, 1, "float32"))
+    cache = layers * 2 * heads * context * (hidden // heads) * 4
+    assert result["context"] == context and result["bytes"] == weights + cache
+    profile = load_profile("cascadelake-2s")
+    # memory bound: no choice beats all bytes over every socket's bandwidth, and sharding halves the bytes
+    # each socket streams, so it beats one socket
+    floor = result["bytes"] / (profile.sockets * profile.local_bw_gbs * 1e9)
+    assert result["sharded"] >= floor and result["one-socket"] >= 2 * floor * 0.99
+    assert result["sharded"] < result["one-socket"] < result["unsharded"]
+    with pytest.raises(ValueError, match="context=4 is shorter than seq=8"):
+        BlockShape(kind="attention", batch=1, seq=8, hidden=64, inner=64, kv_inner=64, heads=1, kv_heads=1,
+                   head_dim=64, context=4)
+
+
+def test_predict_decode_lists_the_three_paper_platforms():
+    out = _cli("predict", "--decode", "64", "--model", "gpt2", "--batch", "1", "--seq", "128", "--json", timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert [p["platform"] for p in result["platforms"]] == list(BUILTIN_PROFILES)
+    assert all(p["speedup"] > 1 and p["seconds"]["sharded"] > 0 for p in result["platforms"])

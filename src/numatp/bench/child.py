@@ -93,7 +93,7 @@ def _measure(config: Config, ranks_dict: dict[str, Any]) -> dict[str, Any]:
             started = time.perf_counter()
             compiled(**inputs)
             times.append(time.perf_counter() - started)
-        decode = _decode(compiled, inputs, config.decode) if config.decode else None
+        generation = _decode(compiled, inputs, config.decode) if config.decode else None
 
     return {
         "versions": {
@@ -103,7 +103,7 @@ def _measure(config: Config, ranks_dict: dict[str, Any]) -> dict[str, Any]:
             "numatp": numatp.__version__,
         },
         "timing": {"build_s": build_s, "compile_s": compile_s, **summarize(times), "times_s": times},
-        "decode": decode,
+        "generation": generation,
         "torch_threads": torch.get_num_threads(),
         "placement": numatp.placement_report(compiled) if config.mode in NUMATP_MODES else None,
         "weight_pages": _weight_pages(model),

@@ -81,12 +81,12 @@ def speedups(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, floa
 
 
 def decode_rates(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, Mapping[str, float]]]:
-    """Per mode then point, the decode measurement of a ``--decode`` sweep: ``tokens_per_s``,
+    """Per mode then point, the generation measured by a ``--decode`` sweep: ``tokens_per_s``,
     ``first_token_s`` and ``new_tokens``."""
     table: dict[str, dict[Point, Mapping[str, float]]] = {}
     for (mode, point), r in _ok(records).items():
-        if r.get("decode"):
-            table.setdefault(mode, {})[point] = r["decode"]
+        if r.get("generation"):
+            table.setdefault(mode, {})[point] = r["generation"]
     return {m: dict(sorted(table[m].items())) for m in _mode_order(table)}
 
 

@@ -89,8 +89,10 @@ class Config:
 
     @property
     def key(self) -> str:
-        """Identity for resuming: two runs with the same key measure the same thing the same way."""
-        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        """Identity for resuming: two runs with the same key measure the same thing the same way. A prefill-only
+        configuration (``decode`` 0) keeps the key it had before ``decode`` existed."""
+        return "|".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                        if not (f.name == "decode" and self.decode == 0))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
