@@ -50,13 +50,23 @@ class _Variant:
         # replicated states (a cache's length) go back to the caller's tensor after each call
         self.write_backs = [bd for bd in (self.bindings[0] if self.bindings else [])
                             if bd.state and isinstance(bd.placement, Replicate)]
+        # per socket, which positions take this call's inputs and which its states (a decode step is
+        # a few milliseconds: only those positions are filled per call)
+        self._inputs = [[(i, bd.index) for i, bd in enumerate(b) if bd.placement is None] for b in self.bindings]
+        self._states = [[(i, bd) for i, bd in enumerate(b) if bd.state] for b in self.bindings]
 
     def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
         """Each socket's program arguments: the weights made at build time, this call's activations, and
         the socket's copies of the states this call's inputs name."""
-        return [[self.states.get(args[bd.index], bd, r) if bd.state else args[bd.index] if w is None else w
-                 for bd, w in zip(bindings, weights)]
-                for r, (bindings, weights) in enumerate(zip(self.bindings, self.weights))]
+        out = []
+        for r, weights in enumerate(self.weights):
+            local = list(weights)
+            for i, src in self._inputs[r]:
+                local[i] = args[src]
+            for i, bd in self._states[r]:
+                local[i] = self.states.get(args[bd.index], bd, r)
+            out.append(local)
+        return out
 
     def __call__(self, *args: Any) -> Any:
         if self.baseline is not None:

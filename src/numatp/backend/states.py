@@ -34,12 +34,12 @@ class StateStore:
         self.place = not topology.is_virtual
         self._made: dict[tuple, tuple[torch.Tensor, Placement]] = {}   # key -> (socket's copy, placement)
         self._sources: dict[int, weakref.ref] = {}
-        self._layouts: dict[int, tuple | None] = {}   # how each caller tensor is split (None: replicated)
+        self._layouts: dict[int, Placement | None] = {}   # how each caller tensor is split (None: replicated)
 
     @staticmethod
     def _key(user: torch.Tensor, b: Binding, rank: int) -> tuple:
         p = b.placement
-        return (id(user), None if isinstance(p, Replicate) else (p.dim, tuple(map(str, p.splits))), rank)
+        return (id(user), None if isinstance(p, Replicate) else p, rank)
 
     def get(self, user: torch.Tensor, b: Binding, rank: int) -> torch.Tensor:
         """Socket ``rank``'s copy of its part of ``user`` (made on first use from ``user``'s values)."""
@@ -98,5 +98,7 @@ class StateStore:
         return [t for k, (t, _) in self._made.items() if k[2] == rank]
 
 
-def _describe(layout: tuple | None) -> str:
-    return "whole on every socket" if layout is None else f"split along dim {layout[0]} as {list(layout[1])}"
+def _describe(layout: Placement | None) -> str:
+    if layout is None:
+        return "whole on every socket"
+    return f"split along dim {layout.dim} as {[str(s) for s in layout.splits]}"
