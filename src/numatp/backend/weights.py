@@ -33,9 +33,6 @@ class WeightStore:
         self._keep: list[Any] = []   # the source tensors of the keys above stay alive while we use their id
         self._warned = False
 
-    def local_args(self, bindings: list[Binding], inputs: list[Any], rank: int) -> list[Any]:
-        return [inputs[b.index] if b.placement is None else self.get(inputs[b.index], b, rank) for b in bindings]
-
     def get(self, param: torch.Tensor, b: Binding, rank: int) -> torch.Tensor:
         p = b.placement
         key = (id(param), type(p).__name__, getattr(p, "dim", None),
