@@ -86,9 +86,13 @@ class NumaTPBackend:
 
     def __init__(self, topology: Topology, *, policy: str = "always", names: dict[int, str] | None = None,
                  decide: Callable | None = None, mode: str = "inductor", strict_placement: bool = False,
-                 gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE):
-        Options(sockets=topology, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
-                auto_measure=auto_measure)   # the same checks as numatp.compile and torch.compile's options
+                 gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE, plan: Any = None):
+        checked = Options(sockets=topology, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
+                          auto_measure=auto_measure, plan=plan)   # the same checks as numatp.compile's
+        if checked.plan == "hf":
+            raise ValueError("plan='hf' needs the model to read its tp_plan: use numatp.compile(model, plan='hf'), "
+                             "or pass the dict (numatp.plan.hf_tp_plan(model))")
+        self.tp_plan = checked.plan
         self.topology = topology
         self.policy = policy
         self.auto_measure = float(auto_measure)
@@ -109,7 +113,7 @@ class NumaTPBackend:
         """The backend of one compile with ``options`` (the topology is resolved here)."""
         return cls(resolve_topology(options.sockets), policy=options.policy, names=names, mode=options.mode,
                    strict_placement=options.strict_placement, gemm=options.gemm,
-                   auto_measure=options.auto_measure)
+                   auto_measure=options.auto_measure, plan=options.plan)
 
     @property
     def group(self) -> SocketGroup:
@@ -192,7 +196,7 @@ class _CompiledGraph:
         decide = None
         if policy == "auto":
             decide = b.decide or default_decider(b.topology)
-        plan = plan_graph(ag, n, policy=policy, decide=decide)
+        plan = plan_graph(ag, n, policy=policy, decide=decide, plan=b.tp_plan)
         if stateful and b.state_policy is None:
             # the graphs that write one cache (prefill, decode) hold its states the same way
             b.state_policy = "never" if runs_unsharded(plan, policy) else "always"
@@ -232,7 +236,7 @@ class _CompiledGraph:
         import time
         b = self.backend
         n = b.topology.num_sockets
-        sharded_plan = plan_graph(ag, n, policy="always")
+        sharded_plan = plan_graph(ag, n, policy="always", plan=b.tp_plan)
         marks = {"sharded": (b.weights, b.weights.mark())}
         sharded = self._programs(sharded_plan, ag, args, b.group, b.weights, b.states, t0)
         unsharded_plan = plan_graph(ag, n, policy="never")

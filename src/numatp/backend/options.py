@@ -43,6 +43,10 @@ class Options:
     :class:`numatp.GemmOptions`."""
     auto_measure: float = AUTO_MEASURE
     """policy "auto": build and time both plans where the model's predictions lie within this fraction."""
+    plan: Any = None
+    """Decisions that override the pass per module, in the tp_plan vocabulary (:mod:`numatp.plan.tp_plan`):
+    a dict of module patterns to "colwise", "rowwise", "replicate" or "vocab", or "hf" for the model's own
+    tp_plan (``numatp.compile`` only: it needs the model)."""
 
     def __post_init__(self) -> None:
         _check_sockets(self.sockets)
@@ -55,6 +59,12 @@ class Options:
             raise ValueError(f"strict_placement={self.strict_placement!r}: pass True or False")
         if not (self.gemm is None or isinstance(self.gemm, (bool, GemmOptions))):
             raise ValueError(f"gemm={self.gemm!r}: pass None (default), True, False or a numatp.GemmOptions")
+        if self.plan is not None and self.plan != "hf":
+            from numatp.plan.tp_plan import parse
+            object.__setattr__(self, "plan", parse(self.plan))
+        if self.plan is not None and self.policy == "never":
+            raise ValueError("plan=... with policy='never': 'never' runs the graph unsharded on all cores, so a "
+                             "plan has nothing to decide; drop one of them")
         a = self.auto_measure
         if isinstance(a, bool) or not isinstance(a, (int, float)) or a < 0:
             raise ValueError(f"auto_measure={a!r}: pass a fraction >= 0 (0 trusts the cost model alone; "

@@ -30,19 +30,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="also show, per socket and weight-matmul shape, the GEMM provider numatp.compile picks "
                    "and the measured rates behind it (measures shapes not yet in the cache, "
                    "on the sockets' own pinned threads)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--plan", metavar="hf|FILE.json",
+                   help="decisions that override the pass (a tp_plan: module patterns to colwise, rowwise, "
+                   "replicate, vocab), from a JSON file (e.g. an edited `tp_plan` of --json) or 'hf' for the "
+                   "model's own; shows where they differ from the pass's own plan")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of tables (each graph's `tp_plan` can be edited and "
+                   "passed back with --plan or numatp.compile(model, plan=...))")
     p.set_defaults(run=run)
     return p
 
 
 def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, policy: str = "always",
-            tiny: bool = False, gemm: bool = False) -> dict:
+            tiny: bool = False, gemm: bool = False, tp_plan: str | dict | None = None) -> dict:
     import torch
 
     from numatp import zoo
-    from numatp.plan import Colwise, Rowwise, capture, plan_graph
+    from numatp.plan import Colwise, Rowwise, capture, hf_tp_plan, parse_tp_plan, plan_graph
 
     model = zoo.build(model_name, tiny=tiny, dtype=getattr(torch, dtype))
+    given = None
+    if tp_plan is not None:
+        given = hf_tp_plan(model) if tp_plan == "hf" else parse_tp_plan(tp_plan)
     graphs = capture(model, **zoo.example_inputs(model, batch=batch, seq=seq))
     out = {"model": model_name, "sockets": sockets, "batch": batch, "seq": seq, "dtype": dtype, "graphs": []}
     from numatp.backend import close_call
@@ -52,7 +61,8 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
         from numatp.backend import default_decider, resolve_topology
         decide = default_decider(resolve_topology(sockets))
     for ag, inputs in graphs:
-        plan = plan_graph(ag, sockets, policy=policy, decide=decide)
+        own = plan_graph(ag, sockets, policy=policy, decide=decide).decisions if given is not None else None
+        plan = plan_graph(ag, sockets, policy=policy, decide=decide, plan=given)
         weights = []
         for name, uses in plan.weights.items():
             for u in uses:
@@ -72,7 +82,11 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
             "socket_bytes": [plan.socket_bytes(r) for r in range(sockets)],
             "predicted": plan.predicted,
             "measures_both": policy == "auto" and close_call(plan),
+            "tp_plan": plan.to_tp_plan(),
         })
+        if own is not None:
+            out["graphs"][-1]["differs_from_pass"] = {m: {"plan": v, "pass": own.get(m)}
+                                                      for m, v in plan.decisions.items() if own.get(m) != v}
         if gemm:
             from numatp.backend import runs_unsharded
             unsharded = runs_unsharded(plan, policy)
@@ -131,9 +145,18 @@ def _rate(r: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    tp_plan = args.plan
+    if tp_plan not in (None, "hf"):
+        try:
+            with open(tp_plan) as f:
+                tp_plan = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"numatp explain: --plan {args.plan}: {e}; pass 'hf' or a JSON file of module patterns to "
+                  "colwise, rowwise, replicate or vocab", file=sys.stderr)
+            return 2
     try:
         info = explain(args.model, sockets=args.sockets, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                       policy=args.policy, tiny=args.tiny, gemm=args.gemm)
+                       policy=args.policy, tiny=args.tiny, gemm=args.gemm, tp_plan=tp_plan)
     except (ValueError, MemoryError) as e:
         print(f"numatp explain: {e}", file=sys.stderr)
         return 2
@@ -166,6 +189,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"policy auto: predicted {1e3 * sh:.1f} ms sharded vs {1e3 * un:.1f} ms unsharded" + (
                 f"; within {100 * AUTO_MEASURE:.0f}% of each other, so numatp.compile builds both and keeps the "
                 "one the first call measures faster" if close else ""))
+        if "differs_from_pass" in g:
+            diff = g["differs_from_pass"]
+            print(f"the plan given differs from the pass's own in {len(diff)} module(s)" + (":" if diff else ""))
+            for m, d in sorted(diff.items()):
+                print(f"  {m}: {d['plan']} (the pass: {d['pass'] or 'not a decision it makes'})")
         if "gemm" in g:
             _print_gemm(g)
     return 0

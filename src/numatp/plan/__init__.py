@@ -16,12 +16,13 @@ from numatp.plan.localize import Binding, LocalProgram, localize
 from numatp.plan.reference import run_reference, shard_tensor
 from numatp.plan.schema import Block, Colwise, IndexSet, Plan, Replicate, Rowwise, WeightPlan
 from numatp.plan.tp_pass import BlockCandidate, plan_graph
+from numatp.plan.tp_plan import TpPlan, hf_tp_plan, parse as parse_tp_plan
 from numatp.plan.trace import AtenGraph, trace_aten
 
 __all__ = [
     "AtenGraph", "Binding", "Block", "BlockCandidate", "Colwise", "IndexSet", "LocalProgram", "Plan",
-    "Replicate", "Rowwise", "WeightPlan", "capture", "localize", "plan_graph", "run_reference",
-    "shard_tensor", "trace_aten",
+    "Replicate", "Rowwise", "TpPlan", "WeightPlan", "capture", "hf_tp_plan", "localize", "parse_tp_plan",
+    "plan_graph", "run_reference", "shard_tensor", "trace_aten",
 ]
 
 

@@ -156,6 +156,14 @@ class Plan:
     gathers: int
     predicted: dict[str, float] | None = None
     """policy "auto": the cost model's seconds for the blocks it weighed, ``{"sharded": s, "unsharded": s}``."""
+    decisions: dict[str, str] = field(default_factory=dict)
+    """Each projection's and embedding table's decision by module, in the tp_plan vocabulary."""
+
+    def to_tp_plan(self) -> dict[str, str]:
+        """This plan as a transformers-style ``tp_plan`` (layers written as ``*`` where they agree): pass it
+        back as ``numatp.compile(model, plan=...)``, edited or not, to get the same socket programs."""
+        from numatp.plan.tp_plan import compress
+        return compress(self.decisions)
 
     def socket_bytes(self, rank: int) -> int:
         """Weight bytes socket ``rank`` holds; a parameter replicated for one use serves its other uses too."""

@@ -19,6 +19,7 @@ import torch.fx
 from numatp.plan.propagate import ATTENTION_OPS, GroupSplit, Shard, Unsupported, group_head_sets, propagate
 from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, column_segments, find_blocks, find_weight_matmuls
 from numatp.plan.schema import (Block, Colwise, IndexSet, Plan, Replicate, Rowwise, WeightPlan, even_split)
+from numatp.plan.tp_plan import TpPlan
 from numatp.plan.trace import AtenGraph
 
 __all__ = ["plan_graph", "replica_users", "group_head_sets", "BlockCandidate", "Decider"]
@@ -92,13 +93,21 @@ def _column_sets(col: WeightMatmul, sockets: int,
     return tuple(IndexSet(tuple(iv)) for iv in per_rank)
 
 
-def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: Decider | None = None) -> Plan:
+def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: Decider | None = None,
+               plan: TpPlan | None = None) -> Plan:
     """Annotate ``ag.gm`` for ``sockets`` sockets and return the schema.
 
     ``policy``: "always" shards every block the pass understands, "never" none, "auto" asks ``decide``
     for every block's predicted time sharded and unsharded and shards all blocks when their total
     sharded time is lower, none otherwise: a block left unsharded inside a sharded program would run
     whole on every socket's share of the cores, so a mixed plan is never the fast one.
+
+    ``plan`` (:mod:`numatp.plan.tp_plan`) fixes the decision of the modules it names, whatever the policy:
+    a block with a colwise or rowwise member is sharded (an error where the pass cannot), a replicated
+    output projection replicates its block, a replicated column projection is computed whole beside the
+    split ones; the policy decides the blocks it does not name. A decision the graph cannot honour (a
+    rowwise layer fed by a replicated activation, a colwise one fed by a split one) is an error naming
+    the module and the reason.
     """
     if not isinstance(sockets, int) or sockets < 1:
         raise ValueError(f"sockets={sockets!r}: the socket count must be an integer >= 1")
@@ -120,6 +129,8 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
     narrowed: set[torch.fx.Node] = set()   # rows whose block retries with only the widest columns split
     grouped: dict[torch.fx.Node, tuple[int, int]] = {}  # rows whose block retries split along its K/V groups
     predicted = None
+    fixed, fixed_tables = _fixed(plan, ag, matmuls, placeholders, params) if plan is not None else ({}, {})
+    forced, forced_lm, forced_rep = _apply_fixed(plan, fixed, matmuls, names, excluded, reasons, no_lm_head)
     if policy == "auto":
         # only blocks the pass can actually shard count: a block it must replicate (a norm over the
         # sharded features, say) runs whole either way, and its predicted gain would be fiction
@@ -127,10 +138,11 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
             shardable = {b.row for b in plan_graph(ag, sockets, policy="always").blocks if b.sharded and b.row}
         except ValueError:  # these sockets cannot split some block's heads: nothing is sharded
             shardable = set()
-        candidates = [(row, cols) for row, cols in find_blocks(matmuls, set()) if names[row.param] in shardable]
+        candidates = [(row, cols) for row, cols in find_blocks(matmuls, set())
+                      if names[row.param] in shardable and row.node not in forced and row.node not in excluded]
         policy, predicted = _auto(candidates, names, sockets, decide, accepted, reasons)
     while True:
-        blocks = find_blocks(matmuls, excluded) if policy != "never" else []
+        blocks = [b for b in find_blocks(matmuls, excluded) if policy != "never" or b[0].node in forced]
         column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]] = {}
         rows: dict[torch.fx.Node, int] = {}
         members: list[tuple[WeightMatmul | None, list[WeightMatmul], list[WeightMatmul]]] = []
@@ -144,6 +156,7 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
                 # K/V heads that split unlike the query heads: replicate the narrower projections
                 widest = max(c.out_features for c in cols)
                 sets = {n: (v if by_node[n].out_features == widest else None) for n, v in sets.items()}
+            sets = {n: (None if n in forced_rep else v) for n, v in sets.items()}
             split = [c for c in cols if sets[c.node] is not None]
             module = _module([names[m.param] for m in [*cols, row]])
             if not split:
@@ -158,8 +171,8 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
         lm_heads = set()
         paired = {m.node for r, s, rep in members for m in [r, *s, *rep] if m is not None}
         for m in matmuls:
-            if (m.node in paired or m.node in no_lm_head or policy == "never"
-                    or m.out_features < 2 * m.in_features or not _reaches_output(m.node)):
+            if m.node not in forced_lm and (m.node in paired or m.node in no_lm_head or policy == "never"
+                                            or m.out_features < 2 * m.in_features or not _reaches_output(m.node)):
                 continue
             sets = _column_sets(m, sockets)
             if sets is None:
@@ -172,6 +185,14 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
             break
         except Unsupported as e:
             row, cols, _ = members[e.block]
+            if (row is None and cols[0].node in forced_lm) or (row is not None and row.node in forced):
+                grouping = isinstance(e, GroupSplit) and row is not None and row.node not in grouped
+                if not grouping or group_head_sets(e.q_heads, e.q_heads, e.kv_heads, sockets) is None:
+                    key = cols[0].node if row is None else row.node
+                    value, pattern = (fixed.get(key) or next(fixed[m.node] for m in cols if m.node in fixed))[:2]
+                    raise ValueError(f"{plan.source}: {pattern!r} asks {value} in "
+                                     f"{_module([names[m.param] for m in [*cols, *([row] if row else [])]])}, "
+                                     f"which the pass cannot shard: {e.reason}")
             if isinstance(e, GroupSplit) and row is not None and row.node not in grouped:
                 if group_head_sets(e.q_heads, e.q_heads, e.kv_heads, sockets) is not None:
                     grouped[row.node] = (e.q_heads, e.kv_heads)
@@ -187,9 +208,113 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
                 excluded |= {row.node, *(c.node for c in cols)}
                 kind = "attention" if _has_attention(row, cols) else "mlp"
                 reasons[row.node] = (kind, _module([names[m.param] for m in [*cols, row]]), e.reason)
-    tables = _shard_vocabulary(gm, params, names, column_sets, by_node, sockets) if policy != "never" else {}
-    plan = _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node, tables)
-    return replace(plan, predicted=predicted) if predicted else plan
+    if policy != "never" or any(v[0] == "vocab" for v in fixed_tables.values()):
+        tables = _shard_vocabulary(gm, params, names, column_sets, by_node, sockets, fixed_tables,
+                                   plan.source if plan is not None else "plan")
+    else:
+        tables = {}
+    result = _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node, tables,
+                     _decisions(ag, placeholders, matmuls, tables),
+                     {n: f"by {plan.source} ({fixed[n][1]!r})" for n in forced_rep})
+    return replace(result, predicted=predicted) if predicted else result
+
+
+def _module_of(ag: AtenGraph, index: int, kind: str) -> str:
+    """The module that reads placeholder ``index`` as ``kind`` (``matmul`` or ``lookup``)."""
+    return ag.modules[index].get(kind) or ag.names[index].rsplit(".", 1)[0]
+
+
+def _fixed(plan: TpPlan, ag: AtenGraph, matmuls: list[WeightMatmul], placeholders: list[torch.fx.Node],
+           params: set[torch.fx.Node]) -> tuple[dict, dict]:
+    """The plan's decision ``(value, pattern, module)`` per weight matmul node and per embedding table."""
+    index = {p: i for i, p in enumerate(placeholders)}
+    names: dict[str, list[tuple[str, object]]] = {}
+    for m in matmuls:
+        for key in (_module_of(ag, index[m.param], "matmul"), ag.names[index[m.param]]):
+            names.setdefault(key, []).append(("matmul", m))
+    tables = _embedding_tables(ag.gm, params)
+    for p in tables:
+        for key in (_module_of(ag, index[p], "lookup"), ag.names[index[p]]):
+            names.setdefault(key, []).append(("lookup", p))
+    for p in params:   # norms and other readers: a pattern may name them, to replicate (as they are)
+        for kind, module in ag.modules[index[p]].items():
+            names.setdefault(module, []).append((kind, p))
+        names.setdefault(ag.names[index[p]], []).append(("other", p))
+    fixed, fixed_tables = {}, {}
+    for module, (value, pattern) in plan.decisions(names).items():
+        for kind, obj in names[module]:
+            if kind == "matmul" and isinstance(obj, WeightMatmul):
+                fixed[obj.node] = (value, pattern, module)
+            elif kind == "lookup" and obj in tables:
+                if value in ("colwise", "rowwise"):
+                    raise ValueError(f"{plan.source}: {pattern!r} asks {value} for {module}, an embedding "
+                                     "table: a table is 'vocab' (split by rows) or 'replicate'")
+                fixed_tables[obj] = (value, pattern, module)
+            elif value != "replicate" and not any(k in ("matmul", "lookup") for k, _ in names[module]):
+                raise ValueError(f"{plan.source}: {pattern!r} asks {value} for {module}, which is neither a "
+                                 "projection nor an embedding table here: only 'replicate' applies to it")
+    return fixed, fixed_tables
+
+
+def _apply_fixed(plan, fixed, matmuls, names, excluded, reasons, no_lm_head) -> tuple[set, set, set]:
+    """Blocks the plan shards (by row), LM heads it shards, column projections it replicates; blocks it
+    replicates join ``excluded``. Decisions the dataflow cannot honour are errors."""
+    forced, forced_lm, forced_rep = set(), set(), set()
+    if not fixed:
+        return forced, forced_lm, forced_rep
+    in_block = set()
+    for row, cols in find_blocks(matmuls, set()):
+        in_block |= {row.node, *(c.node for c in cols)}
+        module = _module([names[m.param] for m in [*cols, row]])
+        r = fixed.get(row.node)
+        if r and r[0] in ("colwise", "vocab"):
+            raise ValueError(f"{plan.source}: {r[1]!r} asks {r[0]} for {r[2]}, the output projection of "
+                             f"{module}: its input is split along the features by the block's column "
+                             "projections, so it is 'rowwise' (or 'replicate', with its whole block)")
+        for c in cols:
+            v = fixed.get(c.node)
+            if v and v[0] in ("rowwise", "vocab"):
+                raise ValueError(f"{plan.source}: {v[1]!r} asks {v[0]} for {v[2]}, which reads {module}'s "
+                                 "replicated input: it is 'colwise' (or 'replicate')")
+        col_values = [fixed[c.node][0] for c in cols if c.node in fixed]
+        if (r and r[0] == "replicate") or (len(col_values) == len(cols) and set(col_values) == {"replicate"}):
+            excluded |= {row.node, *(c.node for c in cols)}
+            why = r or next(fixed[c.node] for c in cols)
+            kind = "attention" if _has_attention(row, cols) else "mlp"
+            reasons[row.node] = (kind, module, f"replicated by {plan.source} ({why[1]!r})")
+            continue
+        forced_rep |= {c.node for c in cols if fixed.get(c.node, ("",))[0] == "replicate"}
+        if r or col_values:
+            forced.add(row.node)
+    for m in matmuls:
+        v = fixed.get(m.node)
+        if m.node in in_block or v is None:
+            continue
+        if v[0] == "colwise":
+            if m.out_features < 2 * m.in_features or not _reaches_output(m.node):
+                raise ValueError(f"{plan.source}: {v[1]!r} asks colwise for {v[2]}, which is in no attention "
+                                 "or MLP block: outside a block numatp splits only an LM head (a projection "
+                                 "that widens to the output)")
+            forced_lm.add(m.node)
+        elif v[0] == "replicate":
+            no_lm_head.add(m.node)
+        else:
+            raise ValueError(f"{plan.source}: {v[1]!r} asks {v[0]} for {v[2]}, which is in no attention or "
+                             "MLP block: nothing before it splits its input")
+    return forced, forced_lm, forced_rep
+
+
+def _decisions(ag: AtenGraph, placeholders, matmuls, tables) -> dict[str, str]:
+    """Each projection's and embedding table's decision in the tp_plan vocabulary, by module."""
+    index = {p: i for i, p in enumerate(placeholders)}
+    out: dict[str, str] = {}
+    for m in matmuls:
+        role = m.node.meta["numatp"].role
+        out[_module_of(ag, index[m.param], "matmul")] = ("colwise" if role in ("column", "lm_head") else
+                                                         "rowwise" if role == "row" else "replicate")
+    for p, (sharded, _) in tables.items():
+        out[_module_of(ag, index[p], "lookup")] = "vocab" if sharded else "replicate"
+    return out
 
 
 def _embedding_tables(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
@@ -201,18 +326,28 @@ def _embedding_tables(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> d
     return tables
 
 
-def _shard_vocabulary(gm, params, names, column_sets, by_node, sockets) -> dict[torch.fx.Node, tuple[bool, str]]:
+def _shard_vocabulary(gm, params, names, column_sets, by_node, sockets, fixed=None,
+                      source="plan") -> dict[torch.fx.Node, tuple[bool, str]]:
     """Make the largest embedding table vocabulary-parallel: socket r holds a contiguous range of its rows,
     looks up the ids in that range (zeros elsewhere), and one all-reduce sums the lookups. A tied LM head
-    keeps its own column sets and the table takes the same ones, so both read one shard. Returns every
-    table with (sharded, why)."""
+    keeps its own column sets and the table takes the same ones, so both read one shard. ``fixed``: the
+    plan's ``(value, pattern, module)`` per table, which chooses the table ("vocab") or none ("replicate").
+    Returns every table with (sharded, why)."""
     tables = _embedding_tables(gm, params)
     if not tables:
         return {}
-    vocab = max(tables, key=lambda p: p.meta["val"].numel())
+    fixed = fixed or {}
+    chosen = [p for p, v in fixed.items() if v[0] == "vocab"]
+    vocab = chosen[0] if chosen else max(tables, key=lambda p: p.meta["val"].numel())
     out: dict[torch.fx.Node, tuple[bool, str]] = {}
+    if vocab in fixed and fixed[vocab][0] == "replicate":
+        for p in tables:
+            out[p] = (False, f"replicated by {source} ({fixed[p][1]!r})" if p in fixed else "replicated")
+        return out
     for p in tables:
-        if p is not vocab:
+        if p in fixed and p is not vocab:
+            out[p] = (False, f"replicated by {source} ({fixed[p][1]!r})")
+        elif p is not vocab:
             rows, width = p.meta["val"].shape
             out[p] = (False, f"small table ({rows} x {width}) beside the {tuple(vocab.meta['val'].shape)} "
                              "vocabulary: replicated, sharding it would add an all-reduce for little memory")
@@ -221,13 +356,19 @@ def _shard_vocabulary(gm, params, names, column_sets, by_node, sockets) -> dict[
     sets = (column_sets[heads[0].node][1] if heads
             else even_split(rows, sockets, 16 if rows % (16 * sockets) == 0 else 1))
     if rows < sockets or any(len(s.intervals) != 1 for s in sets):
-        out[vocab] = (False, f"{rows} rows cannot be split into one contiguous range per socket over "
-                             f"{sockets} sockets")
+        why = f"{rows} rows cannot be split into one contiguous range per socket over {sockets} sockets"
+        if vocab in fixed:
+            raise ValueError(f"{source}: {fixed[vocab][1]!r} asks vocab for {fixed[vocab][2]}, but {why}")
+        out[vocab] = (False, why)
         return out
     for n in tables[vocab]:
         n.meta["numatp"].role = "vocab"
         n.meta["numatp"].vocab_sets = sets
     readers = replica_users(vocab, by_node)
+    if readers and vocab in fixed:
+        raise ValueError(f"{source}: {fixed[vocab][1]!r} asks vocab for {fixed[vocab][2]}, but "
+                         f"{readers[0].target} ({readers[0].name}) reads the whole table (a tied LM head left "
+                         "replicated?): split that reader too, or replicate the table")
     if readers:   # e.g. a tied LM head the pass left replicated: the whole table is on every socket anyway
         for n in tables[vocab]:
             n.meta["numatp"].role, n.meta["numatp"].vocab_sets = None, None
@@ -307,7 +448,8 @@ def replica_users(param: torch.fx.Node, by_node: dict[torch.fx.Node, WeightMatmu
     return [u for u in param.users if not sharded_use(u)]
 
 
-def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node, tables) -> Plan:
+def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node, tables, decisions,
+            replicated_by) -> Plan:
     kinds: dict[int, str] = {}
     gathers = 0
     for node in gm.graph.nodes:
@@ -331,8 +473,10 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
             kind, reason = "lm_head", "column-parallel over the vocabulary, then gathered"
         else:
             kind = kinds.get(bid, "mlp")
-            reason = "column/row parallel" + (
-                f"; {', '.join(names[c.param] for c in rep)} replicated: too few heads to split" if rep else "")
+            few = [names[c.param] for c in rep if c.node not in replicated_by]
+            reason = "column/row parallel" + (f"; {', '.join(few)} replicated: too few heads to split" if few else "")
+            reason += "".join(f"; {names[c.param]} replicated {replicated_by[c.node]}" for c in rep
+                              if c.node in replicated_by)
             if row.node in accepted:
                 reason += f"; {accepted[row.node]}"
         blocks.append(Block(kind, module, tuple(names[c.param] for c in split),
@@ -369,7 +513,8 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
             uses[p].append(WeightPlan(names[p], _shape(p), _isz(p), Replicate()))
     rows = sum(1 for n in gm.graph.nodes if n.meta["numatp"].role in ("row", "vocab"))
     blocks.sort(key=lambda b: b.module)
-    return Plan(sockets, tuple(blocks), {names[p]: tuple(u) for p, u in uses.items()}, rows, gathers)
+    return Plan(sockets, tuple(blocks), {names[p]: tuple(u) for p, u in uses.items()}, rows, gathers,
+                decisions=decisions)
 
 
 def _shape(n: torch.fx.Node) -> tuple[int, ...]:

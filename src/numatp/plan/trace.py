@@ -12,6 +12,7 @@ compiled segment as the write (where Inductor turns ``index_put`` + ``copy_`` in
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 
@@ -32,10 +33,16 @@ class AtenGraph:
     is_param: list[bool]
     names: list[str]
     states: list[bool] | None = None   # per placeholder: an input the graph writes in place (a cache)
+    modules: list[dict[str, str]] | None = None
+    """Per placeholder, the module that reads it, by use: ``{"lookup": "model.embed_tokens", "matmul":
+    "lm_head"}`` (a tied table is both; ``other`` for a norm's weight), from the Dynamo graph's
+    ``nn_module_stack``."""
 
     def __post_init__(self) -> None:
         if self.states is None:
             self.states = [False] * len(self.is_param)
+        if self.modules is None:
+            self.modules = [{} for _ in self.is_param]
 
 
 _DYNAMO_PARTS = re.compile(r"_(modules|parameters|buffers)_")
@@ -84,7 +91,28 @@ def trace_aten(
         else:
             readable.append(f"input{i}")
     states = [n in written for n in traced.graph.nodes if n.op == "placeholder"]
-    return AtenGraph(gm=traced, is_param=is_param, names=readable, states=states)
+    return AtenGraph(gm=traced, is_param=is_param, names=readable, states=states,
+                     modules=[_reading_modules(p) for p in placeholders])
+
+
+_MATMULS = (torch.nn.functional.linear, torch._C._nn.linear, torch.addmm, torch.mm, torch.matmul, operator.matmul)
+
+
+def _reading_modules(placeholder: torch.fx.Node) -> dict[str, str]:
+    """The modules whose calls read a Dynamo placeholder: the embedding that looks it up, the layer whose
+    matmul multiplies by it."""
+    out: dict[str, str] = {}
+    for u in placeholder.users:
+        stack = u.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        # "L['self'].model.layers.0.mlp.down_proj" (or "L['args'][0]...." where the module came in as an
+        # argument): the module's path from the compiled model
+        path = re.sub(r"^L(\[[^\]]*\])+\.?|^L__self__\.?", "", list(stack.values())[-1][0])
+        kind = ("lookup" if u.target is torch.nn.functional.embedding else
+                "matmul" if u.target in _MATMULS else "other")
+        out.setdefault(kind, path)
+    return out
 
 
 def _write_backs_early(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
