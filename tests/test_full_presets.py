@@ -26,6 +26,6 @@ def test_full_preset_plan_and_reference(preset):
         plan = plan_graph(ag, sockets)
         assert plan.reductions == 2 * model.config.num_hidden_layers + 1
         share = (plan.model_bytes - plan.replicated_bytes) / plan.model_bytes
-        (logits,) = run_reference([localize(ag, r) for r in range(sockets)], real)
+        (logits,) = run_reference([localize(ag, plan, r) for r in range(sockets)], real)
         diff = assert_close_to_eager(logits, expected, f"{preset} {sockets} sockets")
         print(f"\n{preset} sockets={sockets}: sharded weight bytes {100 * share:.1f}%, max |diff| {diff:.2e}")

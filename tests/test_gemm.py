@@ -161,8 +161,8 @@ def test_preview_chooses_like_apply_without_touching_the_programs(tmp_path):
 
     model = zoo.build("gpt2", tiny=True)
     ((ag, inputs),) = capture(model, **zoo.example_inputs(model, batch=1, seq=16))
-    plan_graph(ag, 2)
-    programs = [localize(ag, r) for r in range(2)]
+    plan = plan_graph(ag, 2)
+    programs = [localize(ag, plan, r) for r in range(2)]
     args = [bind_inputs(p.bindings, inputs, p.rank) for p in programs]
     weights = [p.weight_indices for p in programs]
     before = [p.gm.code for p in programs]

@@ -30,7 +30,7 @@ def traced(request):
 def test_reference_equals_eager(traced, sockets):
     family, model, (ag, real), expected = traced
     plan = plan_graph(ag, sockets)
-    programs = [localize(ag, r) for r in range(sockets)]
+    programs = [localize(ag, plan, r) for r in range(sockets)]
     (logits,) = run_reference(programs, real)
     assert_close_to_eager(logits, expected, f"{family} on {sockets} sockets")
     layers = model.config.num_hidden_layers
@@ -111,7 +111,7 @@ def test_never_policy_shards_nothing():
     (ag, real), = capture(model, **inputs)
     plan = plan_graph(ag, 2, policy="never")
     assert plan.reductions == 0 and not any(b.sharded for b in plan.blocks)
-    (logits,) = run_reference([localize(ag, r) for r in range(2)], real)
+    (logits,) = run_reference([localize(ag, plan, r) for r in range(2)], real)
     with torch.no_grad():
         assert_close_to_eager(logits, model(**inputs).logits, "never")
 
@@ -135,7 +135,7 @@ def test_unrecognised_block_runs_replicated_and_says_why():
     plan = plan_graph(ag, 2)
     (blk,) = [b for b in plan.blocks if not b.sharded]
     assert "reduces over the sharded dimension" in blk.reason
-    (out,) = run_reference([localize(ag, r) for r in range(2)], real)
+    (out,) = run_reference([localize(ag, plan, r) for r in range(2)], real)
     with torch.no_grad():
         assert_close_to_eager(out, model(x), "odd")
 
@@ -190,6 +190,6 @@ def test_auto_policy_counts_only_blocks_the_pass_can_shard():
     by_module = {b.module: b for b in plan.blocks}
     assert by_module["mlp"].sharded and "test decider" in by_module["mlp"].reason
     assert not any(b.sharded for m, b in by_module.items() if m != "mlp")
-    (out,) = run_reference([localize(ag, r) for r in range(2)], real)
+    (out,) = run_reference([localize(ag, plan, r) for r in range(2)], real)
     with torch.no_grad():
         assert_close_to_eager(out, model(x), "auto with a replicated block")

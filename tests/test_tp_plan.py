@@ -21,8 +21,8 @@ def _graph(model, seq=8):
     return ag
 
 
-def _programs(ag, sockets=2):
-    return [localize(ag, r).gm.code for r in range(sockets)]
+def _programs(ag, plan):
+    return [localize(ag, plan, r).gm.code for r in range(plan.sockets)]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "phi3", "gemma3", "falcon", "bloom"])
@@ -30,12 +30,13 @@ def test_a_plan_written_out_and_read_back_gives_the_same_programs(family):
     model = zoo.build("gpt2", tiny=True) if family == "gpt2" else _model(family)
     ag = _graph(model)
     own = plan_graph(ag, 2)
-    programs = _programs(ag)
     written = own.to_tp_plan()
     json.dumps(written)   # plain data: it can be saved, edited and passed back
     again = plan_graph(ag, 2, plan=parse_tp_plan(written))
-    assert _programs(ag) == programs
+    assert _programs(ag, again) == _programs(ag, own)   # each read from its own plan, not the graph's last
     assert again.weights == own.weights and again.reductions == own.reductions
+    with pytest.raises(ValueError, match="this plan is for 2 socket"):
+        localize(ag, own, 2)
     assert again.to_tp_plan() == written
 
 
@@ -52,10 +53,8 @@ def test_the_models_own_tp_plan_agrees_with_the_pass_and_runs(preset, cli_env):
     fresh_dynamo()
     model = zoo.build(preset, tiny=True)
     ag = _graph(model)
-    plan_graph(ag, 2)
-    programs = _programs(ag)
-    plan_graph(ag, 2, plan=hf_tp_plan(model))
-    assert _programs(ag) == programs   # transformers' plan and the dataflow pass decide alike here
+    own = plan_graph(ag, 2)
+    assert _programs(ag, plan_graph(ag, 2, plan=hf_tp_plan(model))) == _programs(ag, own)   # transformers' plan and the dataflow pass decide alike here
     ids = torch.randint(5, 200, (2, 8), generator=torch.Generator().manual_seed(1))
     fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager", plan="hf")
     with torch.inference_mode():

@@ -225,8 +225,9 @@ class _CompiledGraph:
         """One program on one socket of all CPUs: unsharded, but with the measured GEMM providers the
         sharded programs get, so that the choice between the two compares like with like."""
         group, store, states = self.backend.whole_machine()
-        plan_graph(ag, 1, policy="never")
-        return self._programs(plan, ag, args, group, store, states, t0)
+        # the program's own plan (one socket), with the blocks' reasons for leaving them unsharded
+        one = replace(plan_graph(ag, 1, policy="never"), blocks=plan.blocks, predicted=plan.predicted)
+        return self._programs(one, ag, args, group, store, states, t0)
 
     def _measure_both(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> _Variant:
         """policy "auto" where the model's two predictions are close: build the graph sharded and
@@ -283,7 +284,7 @@ class _CompiledGraph:
         import time
         b = self.backend
         n = group.size
-        programs = [localize(ag, r) for r in range(n)]
+        programs = [localize(ag, plan, r) for r in range(n)]
         bindings = [p.bindings for p in programs]
         local = [_bind(store, states, bindings[r], args, r) for r in range(n)]
         executor = ShardedExecutor(group, b.compiler, gemm=b.gemm)

@@ -90,12 +90,12 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
         if gemm:
             from numatp.backend import runs_unsharded
             unsharded = runs_unsharded(plan, policy)
-            out["graphs"][-1]["gemm"] = _gemm_choices(ag, inputs, sockets, unsharded)
+            out["graphs"][-1]["gemm"] = _gemm_choices(ag, plan, inputs, sockets, unsharded)
             out["graphs"][-1]["gemm"]["unsharded"] = unsharded
     return out
 
 
-def _gemm_choices(ag, inputs: list, sockets: int, unsharded: bool) -> dict:
+def _gemm_choices(ag, plan, inputs: list, sockets: int, unsharded: bool) -> dict:
     """Per socket and weight matmul: shape, provider picked and measured GFLOP/s (GemmSelector.preview).
     An unsharded graph is one program on one socket of all CPUs, as the backend runs it."""
     from numatp.backend import resolve_topology
@@ -108,8 +108,8 @@ def _gemm_choices(ag, inputs: list, sockets: int, unsharded: bool) -> dict:
     topology = resolve_topology(sockets)
     if unsharded:
         topology = topology.whole()
-        plan_graph(ag, 1, policy="never")
-    programs = [localize(ag, r) for r in range(topology.num_sockets)]
+        plan = plan_graph(ag, 1, policy="never")
+    programs = [localize(ag, plan, r) for r in range(topology.num_sockets)]
     args = [bind_inputs(p.bindings, inputs, p.rank) for p in programs]
     weights = [p.weight_indices for p in programs]
     selector = GemmSelector()

@@ -2,7 +2,7 @@
 
     graphs = capture(model, **inputs)          # the Dynamo graphs, traced to ATen
     plan = plan_graph(graphs[0], sockets=2)    # annotate + schema
-    programs = [localize(graphs[0], r) for r in range(2)]
+    programs = [localize(graphs[0], plan, r) for r in range(2)]
     run_reference(programs, graphs[0].inputs)  # the oracle: equals the model's output
 """
 

@@ -19,7 +19,7 @@ import torch.fx
 from numatp.plan import ops  # noqa: F401  (registers numatp::all_reduce / all_gather)
 from numatp.plan.propagate import Shard
 from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, find_weight_matmuls, slice_bounds
-from numatp.plan.schema import Colwise, IndexSet, Placement, Replicate, Rowwise
+from numatp.plan.schema import Colwise, IndexSet, Placement, Plan, Replicate, Rowwise
 from numatp.plan.tp_pass import replica_users
 from numatp.plan.trace import AtenGraph
 
@@ -55,9 +55,9 @@ class LocalProgram:
         return {i for i, bd in enumerate(self.bindings) if bd.placement is not None and not bd.state}
 
 
-def _local_shape(node: torch.fx.Node, rank: int) -> list[int]:
+def _local_shape(node: torch.fx.Node, rank: int, infos: dict) -> list[int]:
     shape = list(node.meta["val"].shape)
-    lay = node.meta["numatp"].layout
+    lay = infos[node].layout
     if isinstance(lay, Shard):
         shape[lay.dim] = len(lay.sets[rank])
     return shape
@@ -68,9 +68,17 @@ def _cut(g: torch.fx.Graph, x: torch.fx.Node, dim: int, s: IndexSet) -> torch.fx
     return pieces[0] if len(pieces) == 1 else g.call_function(aten.cat.default, (pieces, dim))
 
 
-def localize(ag: AtenGraph, rank: int) -> LocalProgram:
-    """The program of socket ``rank`` (the graph must have been annotated by :func:`plan_graph`)."""
+def localize(ag: AtenGraph, plan: Plan, rank: int) -> LocalProgram:
+    """The program of socket ``rank`` of ``plan`` (made by :func:`plan_graph` for ``ag``): every decision
+    is read from the plan's per-node record, none from whatever a later planning left on the graph."""
     src = ag.gm.graph
+    if not 0 <= rank < plan.sockets:
+        raise ValueError(f"rank {rank}: this plan is for {plan.sockets} socket(s), ranks 0 to {plan.sockets - 1}")
+    missing = [n.name for n in src.nodes if n.name not in plan.nodes]
+    if missing:
+        raise ValueError(f"this plan was made for another graph (it has no decision for {missing[:3]}); "
+                         "plan the graph you localize")
+    infos = {n: plan.nodes[n.name] for n in src.nodes}
     placeholders = [n for n in src.nodes if n.op == "placeholder"]
     params = {n for i, n in enumerate(placeholders) if ag.is_param[i]}
     by_node = {m.node: m for m in find_weight_matmuls(ag.gm, params)}
@@ -91,29 +99,29 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
     for i, p in enumerate(placeholders):
         if p not in params:
             env[p] = g.placeholder(p.name)
-            lay = p.meta["numatp"].layout
+            lay = infos[p].layout
             bindings.append(Binding(i, None) if not ag.states[i] else
                             Binding(i, Replicate() if lay is None else Colwise(lay.dim, lay.sets), state=True))
-        elif replica_users(p, by_node):
+        elif replica_users(p, by_node, infos):
             env[p] = weight(p, Replicate())
     for p in placeholders:
         for u in p.users:
-            if u in by_node and u.meta["numatp"].role:
-                _shard_placeholders(u, by_node[u], weight)
-            elif u.meta["numatp"].role == "vocab" and u.args[0] is p:
-                weight(p, Colwise(0, u.meta["numatp"].vocab_sets), lookup=True)
+            if u in by_node and infos[u].role:
+                _shard_placeholders(u, by_node[u], weight, infos)
+            elif infos[u].role == "vocab" and u.args[0] is p:
+                weight(p, Colwise(0, infos[u].vocab_sets), lookup=True)
             for v in u.users if u.target in TRANSPOSE_OPS else ():
-                if v in by_node and v.meta["numatp"].role:
-                    _shard_placeholders(v, by_node[v], weight)
+                if v in by_node and infos[v].role:
+                    _shard_placeholders(v, by_node[v], weight, infos)
     tag = 0
     for node in src.nodes:
-        info = node.meta["numatp"]
+        info = infos[node]
         if node.op == "placeholder" or node in env:
             continue
         if node.op == "output":
             outs = []
             for a in node.args[0]:
-                lay = a.meta["numatp"].layout if isinstance(a, torch.fx.Node) else None
+                lay = infos[a].layout if isinstance(a, torch.fx.Node) else None
                 if isinstance(lay, Shard):
                     full = int(a.meta["val"].shape[lay.dim])
                     gathered = g.call_function(numatp_ops.all_gather.default, (env[a], lay.dim, full, tag))
@@ -125,12 +133,12 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
             g.output(tuple(outs))
             continue
         if info.role == "vocab":
-            env[node] = g.call_function(numatp_ops.all_reduce.default, (_lookup(g, node, env, weight, rank), tag))
+            env[node] = g.call_function(numatp_ops.all_reduce.default, (_lookup(g, node, env, weight, rank, infos), tag))
             tag += 1
             continue
         if info.role is not None:
             m = by_node[node]
-            w = _shard_placeholders(node, m, weight)
+            w = _shard_placeholders(node, m, weight, infos)
             for c in reversed(m.chain):
                 w = g.call_function(c.target, (w, *c.args[1:]))
             x = env[m.x]
@@ -146,19 +154,19 @@ def localize(ag: AtenGraph, rank: int) -> LocalProgram:
                 out = g.call_function(aten.mm.default, (x, w))
             env[node] = out
             continue
-        if all(u.meta["numatp"].role for u in node.users) and node.users and node.target in TRANSPOSE_OPS \
+        if all(infos[u].role for u in node.users) and node.users and node.target in TRANSPOSE_OPS \
                 and node.args[0] in params:
             continue  # a weight transpose only sharded matmuls read: they transpose their own shard
-        env[node] = _copy(g, node, env, rank)
+        env[node] = _copy(g, node, env, rank, infos)
     g.lint()
     return LocalProgram(rank, torch.fx.GraphModule(ag.gm, g), bindings)
 
 
-def _lookup(g: torch.fx.Graph, node: torch.fx.Node, env: dict, weight, rank: int) -> torch.fx.Node:
+def _lookup(g: torch.fx.Graph, node: torch.fx.Node, env: dict, weight, rank: int, infos: dict) -> torch.fx.Node:
     """Socket ``rank``'s part of a vocabulary-parallel ``embedding(table, ids)``: its rows ``[lo, hi)``
     looked up at ``ids - lo`` where ``lo <= ids < hi``, zero rows elsewhere (summed over sockets: the lookup)."""
     table, ids = node.args[0], env[node.args[1]]
-    sets = node.meta["numatp"].vocab_sets
+    sets = infos[node].vocab_sets
     (lo, hi), = sets[rank].intervals
     shard = weight(table, Colwise(0, sets), lookup=True)
     inside = g.call_function(aten.bitwise_and.Tensor, (g.call_function(aten.ge.Scalar, (ids, lo)),
@@ -168,8 +176,8 @@ def _lookup(g: torch.fx.Graph, node: torch.fx.Node, env: dict, weight, rank: int
     return g.call_function(aten.mul.Tensor, (rows, g.call_function(aten.unsqueeze.default, (inside, -1))))
 
 
-def _shard_placeholders(node, m: WeightMatmul, weight):
-    info = node.meta["numatp"]
+def _shard_placeholders(node, m: WeightMatmul, weight, infos: dict):
+    info = infos[node]
     if info.role == "row":
         return weight(m.param, Rowwise(m.in_dim, info.row_input.sets))
     if m.bias is not None:
@@ -177,8 +185,8 @@ def _shard_placeholders(node, m: WeightMatmul, weight):
     return weight(m.param, Colwise(m.out_dim, info.layout.sets))
 
 
-def _copy(g: torch.fx.Graph, node: torch.fx.Node, env: dict, rank: int) -> torch.fx.Node:
-    info = node.meta["numatp"]
+def _copy(g: torch.fx.Graph, node: torch.fx.Node, env: dict, rank: int, infos: dict) -> torch.fx.Node:
+    info = infos[node]
 
     def arg(key, a):
         if isinstance(a, torch.fx.Node):
@@ -193,17 +201,17 @@ def _copy(g: torch.fx.Graph, node: torch.fx.Node, env: dict, rank: int) -> torch
     kwargs = {k: arg(k, v) for k, v in node.kwargs.items()}
     x = node.args[0] if node.args else None
     if info.local_shape:
-        args[1] = _local_shape(node, rank)
+        args[1] = _local_shape(node, rank, infos)
     if info.index_at is not None:
         dim, at = info.index_at
-        lo, _ = node.args[0].meta["numatp"].layout.sets[rank].local_range(at, at + 1)
+        lo, _ = infos[node.args[0]].layout.sets[rank].local_range(at, at + 1)
         here = g.call_function(aten.full.default, ([1], lo), {"dtype": torch.int64})
         args[1] = [here if d == dim else ix for d, ix in enumerate(args[1])]
     if info.split_dim is not None:
         sizes = [len(p.sets[rank]) for p in info.layout]
         return g.call_function(aten.split_with_sizes.default, (args[0], sizes, info.split_dim))
     if info.slice_dim is not None:
-        lay = x.meta["numatp"].layout
+        lay = infos[x].layout
         lo, hi = lay.sets[rank].local_range(*slice_bounds(node, x.meta["val"].shape[info.slice_dim]))
         args = [args[0], info.slice_dim, lo, hi]
     new = g.call_function(node.target, tuple(args), kwargs) if node.op == "call_function" else \

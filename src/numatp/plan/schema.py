@@ -158,6 +158,9 @@ class Plan:
     """policy "auto": the cost model's seconds for the blocks it weighed, ``{"sharded": s, "unsharded": s}``."""
     decisions: dict[str, str] = field(default_factory=dict)
     """Each projection's and embedding table's decision by module, in the tp_plan vocabulary."""
+    nodes: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+    """The decision for every node of the planned graph, by node name (``numatp.plan.propagate.NodeInfo``):
+    what :func:`numatp.plan.localize` reads to make each socket's program."""
 
     def to_tp_plan(self) -> dict[str, str]:
         """This plan as a transformers-style ``tp_plan`` (layers written as ``*`` where they agree): pass it

@@ -438,11 +438,14 @@ def _candidate(row: WeightMatmul, cols: list[WeightMatmul], module: str) -> Bloc
     )
 
 
-def replica_users(param: torch.fx.Node, by_node: dict[torch.fx.Node, WeightMatmul]) -> list[torch.fx.Node]:
+def replica_users(param: torch.fx.Node, by_node: dict[torch.fx.Node, WeightMatmul],
+                  infos: dict | None = None) -> list[torch.fx.Node]:
     """Users of a parameter that read it whole: everything but sharded matmuls, their transposes and
-    vocabulary-parallel lookups."""
+    vocabulary-parallel lookups (the decisions from ``infos``, a plan's per-node record, or else from the
+    graph being planned)."""
     def sharded_use(u: torch.fx.Node) -> bool:
-        if (u in by_node or u.target is _EMBEDDING) and u.meta["numatp"].role:
+        info = infos[u] if infos is not None else u.meta["numatp"]
+        if (u in by_node or u.target is _EMBEDDING) and info.role:
             return True
         return u.target in TRANSPOSE_OPS and all(sharded_use(v) for v in u.users)
     return [u for u in param.users if not sharded_use(u)]
@@ -514,7 +517,7 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
     rows = sum(1 for n in gm.graph.nodes if n.meta["numatp"].role in ("row", "vocab"))
     blocks.sort(key=lambda b: b.module)
     return Plan(sockets, tuple(blocks), {names[p]: tuple(u) for p, u in uses.items()}, rows, gathers,
-                decisions=decisions)
+                decisions=decisions, nodes={n.name: n.meta["numatp"] for n in gm.graph.nodes})
 
 
 def _shape(n: torch.fx.Node) -> tuple[int, ...]:
