@@ -12,7 +12,7 @@ from numatp import zoo
 from numatp.runtime import gemm as gemm_mod
 from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, ceilings, measure
 from numatp.backend import backend_of
-from numatp.runtime.gemm_pass import GemmOptions
+from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 from tests.helpers import assert_close_to_eager
 
@@ -157,7 +157,7 @@ def test_preview_chooses_like_apply_without_touching_the_programs(tmp_path):
     from numatp.plan.localize import localize
     from numatp.plan.reference import bind_inputs
     from numatp.runtime import SocketGroup
-    from numatp.runtime.gemm_pass import GemmSelector
+    from numatp.plan.gemm_pass import GemmSelector
 
     model = zoo.build("gpt2", tiny=True)
     ((ag, inputs),) = capture(model, **zoo.example_inputs(model, batch=1, seq=16))

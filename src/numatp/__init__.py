@@ -10,7 +10,7 @@ from __future__ import annotations
 from numatp.backend import compile, placement_report, plans
 from numatp.generate import generate
 from numatp.placement import membind, numa_clone, pages_by_node
-from numatp.runtime.gemm_pass import GemmOptions
+from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
 __all__ = ["GemmOptions", "Topology", "compile", "generate", "membind", "numa_clone", "pages_by_node", "placement_report",

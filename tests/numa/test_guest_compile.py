@@ -44,7 +44,7 @@ def test_packed_gemm_weight_is_made_in_its_socket_node(topology, provider):
     from numatp.placement import process_bytes_by_node
     from numatp.runtime import SocketGroup
     from numatp.runtime.gemm import PROVIDERS
-    from numatp.runtime.gemm_pass import _prepare
+    from numatp.plan.gemm_pass import _prepare
 
     w = torch.randn(4096, 4096)
     size = w.numel() * w.element_size()
@@ -66,7 +66,7 @@ def test_dense_gemm_operand_is_copied_onto_its_socket_node(topology):
     from numatp.placement import pages_by_node
     from numatp.runtime import SocketGroup
     from numatp.runtime.gemm import PROVIDERS
-    from numatp.runtime.gemm_pass import _prepare
+    from numatp.plan.gemm_pass import _prepare
 
     w = torch.randn(128, 256)   # (K, N)
     with SocketGroup(topology) as group:

@@ -1,8 +1,9 @@
 """The ``torch.compile`` backend: ``torch.compile(model, backend="numatp")`` and ``numatp.compile(model)``.
 
 ``options`` checks what a compile is asked to do, ``entry`` is the way in from both APIs (one backend per
-compile), ``core`` turns Dynamo graphs into socket programs, ``weights`` holds the shards on their sockets,
-``states`` each socket's copy of what the programs write in place (a KV cache).
+compile), ``core`` is the backend one compile shares, ``variants`` turns each Dynamo graph into socket
+programs per input signature, ``policy`` says when a graph runs unsharded, ``weights`` holds the shards
+on their sockets, ``states`` each socket's copy of what the programs write in place (a KV cache).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from numatp.backend.core import NumaTPBackend
 from numatp.backend.options import AUTO_MEASURE, Options
 from numatp.plan.schema import Plan
-from numatp.runtime.gemm_pass import GemmOptions
+from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
 __all__ = ["CompiledModel", "backend_of", "compile", "numatp_backend", "placement_report", "plans"]

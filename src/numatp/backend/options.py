@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from numatp.runtime.gemm_pass import GemmOptions
+from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
 __all__ = ["AUTO_MEASURE", "POLICIES", "Options", "resolve_topology"]

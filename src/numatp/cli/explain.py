@@ -103,7 +103,7 @@ def _gemm_choices(ag, plan, inputs: list, sockets: int, unsharded: bool) -> dict
     from numatp.plan.localize import localize
     from numatp.plan.reference import bind_inputs
     from numatp.runtime import SocketGroup
-    from numatp.runtime.gemm_pass import GemmSelector
+    from numatp.plan.gemm_pass import GemmSelector
 
     topology = resolve_topology(sockets)
     if unsharded:

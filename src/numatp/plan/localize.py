@@ -7,6 +7,12 @@ The program of socket r has the same structure as the global graph, with
   vocabulary-parallel lookup (the ids outside the socket's rows look up zeros),
 - ``numatp::all_gather`` before each sharded value that leaves the program,
 - replicated values that meet sharded ones cut to socket r's indices.
+
+Contract. Takes: the traced graph and the :class:`~numatp.plan.schema.Plan` that :func:`plan_graph` made
+for it, and a rank below ``plan.sockets``. Guarantees: every decision comes from ``plan.nodes``, so a
+later planning of the same graph (another socket count, another policy) changes nothing here; every
+socket's program performs the same collectives in the same order; each placeholder is a
+:class:`Binding`. Refuses: a rank outside the plan, a plan made for another graph (ValueError).
 """
 
 from __future__ import annotations

@@ -2,8 +2,17 @@
 
 Steps (each a function below): find weight matmuls -> pair them into blocks -> choose each column's
 per-socket output sets -> propagate layouts -> on an unsupported op, replicate that block and repeat ->
-record the schema. The graph is annotated in place (``node.meta["numatp"]``); :mod:`numatp.plan.localize`
-turns the annotated graph into one program per socket.
+record the schema. The graph is annotated in place while planning (``node.meta["numatp"]``), and the
+plan keeps each node's decision (``Plan.nodes``), from which :mod:`numatp.plan.localize` makes one
+program per socket.
+
+Contract. Takes: an :class:`~numatp.plan.trace.AtenGraph`, a socket count, a policy (with a decider for
+"auto") and optionally a tp_plan (:mod:`numatp.plan.tp_plan`). Guarantees: a :class:`Plan` in which
+every attention and MLP block is sharded (column/row parallel, one reduction) or replicated with its
+reason; the LM head column-parallel where it can be; the largest embedding table vocabulary-parallel
+where it can be; ``to_tp_plan()`` gives its decisions back in the tp_plan vocabulary. Refuses
+(ValueError): a socket count below 1 or one that leaves a socket without a head of some block, an
+unknown policy, and a tp_plan decision the dataflow cannot honour.
 """
 
 from __future__ import annotations

@@ -1,5 +1,11 @@
 """Run the per-socket programs on a socket group: compiled segments, all-reduces between them.
 
+Contract. ``build`` takes each socket's local program and arguments: it applies the GEMM rewrite,
+strips the collectives when there is one socket, splits and compiles, and records per step what to free
+(``SocketProgram.finish``). ``run`` guarantees socket 0's outputs, every socket having performed the same
+collectives; an exception in any socket reaches the caller (its peers stop waiting), and a socket
+missing past the group's timeout is named. ``src/numatp/runtime/README.md`` walks one call end to end.
+
 Each worker runs its socket's segments on its own weight shards. An all-reduce hands the worker's
 partial sum to the group's collective (:mod:`numatp.runtime.collective`: C++, no GIL, reduce-scatter +
 all-gather over the partials in place), which returns the total in a tensor the worker allocates, i.e. in
@@ -15,16 +21,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
 
 from numatp.plan.ops import COLLECTIVES
 from numatp.plan.reference import place
-from numatp.runtime.gemm_pass import GemmChoice, GemmSelector, GemmStep, stand_in
+from numatp.runtime.gemm import GemmStep, stand_in
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import Collective, Segment, SegmentCompiler, split_program
+
+if TYPE_CHECKING:   # the GEMM rewrite is a graph pass (numatp.plan); the executor only calls it
+    from numatp.plan.gemm_pass import GemmChoice, GemmSelector
 
 __all__ = ["SocketProgram", "ShardedExecutor", "strip_collectives"]
 

@@ -16,7 +16,7 @@ answers differ), so numatp measures them:
   ``GemmOptions.providers`` names it.
 
 Packed weights are opaque tensors (``layout=torch._mkldnn``), so a packed provider replaces the plain
-shard and runs outside Inductor (see :mod:`numatp.runtime.gemm_pass`). Rates are GFLOP/s (``2 M K N``
+shard and runs outside Inductor (see :mod:`numatp.plan.gemm_pass`). Rates are GFLOP/s (``2 M K N``
 per call), keyed by ``(dtype, M, K, N, layout, threads)`` in ``gemm-<cpu signature>.json``; the
 signature hashes the CPU's model and flags and the torch version, so another CPU re-measures.
 """
@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -42,7 +43,8 @@ from numatp._cache import cache_dir
 log = logging.getLogger("numatp")
 
 __all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "measure_all", "cpu_signature", "ceilings",
-           "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir"]
+           "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir", "GEMM_OP",
+           "GemmStep", "PackInfo", "gemm", "stand_in"]
 
 mkldnn = torch.ops.mkldnn
 
@@ -375,3 +377,64 @@ def best_provider(rates: dict[str, float], allowed: list[str], *, margin: float 
     name, rate = max(((p, rates.get(p, 0.0)) for p in allowed), key=lambda pr: pr[1])
     return name if name != "aten" and rate > base * margin else "aten"
 
+
+# The rewritten programs' GEMM call (numatp.plan.gemm_pass puts it there) and the executor's step for it
+
+@torch.library.custom_op("numatp::gemm", mutates_args=())
+def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str, layout: str) -> torch.Tensor:
+    """``x @ W (+ bias)`` by ``provider``; ``layout`` says how ``w`` is stored ("nk" or "kn").
+
+    The runtime calls the provider directly (its operand may be packed); this body is the reference
+    for running a rewritten program outside numatp's executor, on the plain weight.
+    """
+    w_kn = w.t() if layout == "nk" else w
+    return torch.mm(x, w_kn) if bias is None else torch.addmm(bias, x, w_kn)
+
+
+@gemm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str, layout: str) -> torch.Tensor:
+    n = w.shape[0] if layout == "nk" else w.shape[1]
+    return x.new_empty((x.shape[0], n))
+
+
+GEMM_OP = torch.ops.numatp.gemm.default
+
+
+@dataclass(frozen=True)
+class PackInfo:
+    """What a prepared operand is: its provider, the plain weight's shape/dtype/layout, the M it was packed for."""
+
+    provider: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    layout: str
+    m: int
+
+
+@dataclass
+class GemmStep:
+    """A weight matmul the executor runs itself: ``env[dst] = provider(env[x], env[w], env[bias])``."""
+
+    provider: str
+    x: str
+    w: str
+    bias: str | None
+    dst: str
+    n: int
+    k: int
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.w] + ([self.bias] if self.bias else [])
+
+    def __call__(self, env: dict[str, Any]) -> torch.Tensor:
+        b = env[self.bias] if self.bias else None
+        return PROVIDERS[self.provider].call(env[self.x], env[self.w], b, self.n, self.k)
+
+
+def stand_in(t: Any) -> Any:
+    """A dense tensor of a prepared operand's plain shape, for shape propagation (no storage of its size)."""
+    info = getattr(t, "_numatp_gemm", None)
+    if info is None:
+        return t
+    return torch.empty(1, dtype=info.dtype).expand(info.shape)

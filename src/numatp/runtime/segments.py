@@ -1,8 +1,14 @@
-"""Cut a socket program at its collectives into segments, and compile each distinct segment once.
+"""Cut a socket program at its collectives and GEMM steps into segments, and compile each distinct one once.
 
-Per transformer layer a program has two all-reduces, so it falls into ``2 x layers + 1`` segments, and
-layers of the same shape give segments with the same code: canonical names make them compare equal,
-and one Inductor compilation serves every layer and every socket with the same local shapes.
+A program is cut at every ``numatp::all_reduce`` / ``all_gather`` (two reductions per transformer layer)
+and every ``numatp::gemm`` the GEMM rewrite put in (a weight matmul run by its provider): the pieces in
+between are segments. Layers of the same shape give segments with the same code: canonical names make
+them compare equal, and one Inductor compilation serves every layer and every socket with the same
+local shapes.
+
+Contract. Takes: a local program (after the GEMM rewrite) and arguments of its local shapes.
+Guarantees: the steps, run in order over one environment, compute what the program computes; each
+segment's inputs and outputs are named values of that environment. Refuses: nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.plan.ops import COLLECTIVES
-from numatp.runtime.gemm_pass import GEMM_OP, GemmStep
+from numatp.runtime.gemm import GEMM_OP, GemmStep
 
 __all__ = ["Segment", "Collective", "split_program", "SegmentCompiler"]
 
@@ -60,7 +66,7 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[
     for i, n in enumerate(nodes):
         if n.op in ("placeholder", "output"):
             continue
-        if n.target is GEMM_OP:  # a weight matmul the executor runs with its provider (numatp.runtime.gemm_pass)
+        if n.target is GEMM_OP:  # a weight matmul the executor runs with its provider (numatp.plan.gemm_pass)
             if current:
                 steps.append(_segment(gm, current, i, last_use, output))
                 current = []

@@ -15,6 +15,12 @@ Before the programs are cut into segments, :meth:`GemmSelector.apply`
 
 A packed operand carries its :class:`PackInfo` (``operand._numatp_gemm``), so a later variant of the same
 graph (another sequence length) reuses it: oneDNN and MKL packed weights serve any M.
+
+Contract. Takes: the socket programs of :func:`numatp.plan.localize`, their arguments, and per rank the
+argument positions that are weights. Guarantees: each rewritten matmul computes what the ATen one did
+(within the provider's rounding); an operand made by a socket's worker is on its node; the op itself
+and the executor's step for it live in :mod:`numatp.runtime.gemm`. Refuses: nothing; a weight read by
+anything but matmuls, or whose matmuls disagree on the provider, stays on ATen.
 """
 
 from __future__ import annotations
@@ -28,32 +34,14 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, Provider, best_provider
+from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, PackInfo, Provider, best_provider,
+                                 stand_in)
 
-__all__ = ["GemmOptions", "GemmSelector", "GemmStep", "PackInfo", "GEMM_OP", "gemm"]
+__all__ = ["GemmChoice", "GemmOptions", "GemmSelector", "report_rows"]
 
 log = logging.getLogger("numatp")
 aten = torch.ops.aten
 
-
-@torch.library.custom_op("numatp::gemm", mutates_args=())
-def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str, layout: str) -> torch.Tensor:
-    """``x @ W (+ bias)`` by ``provider``; ``layout`` says how ``w`` is stored ("nk" or "kn").
-
-    The runtime calls the provider directly (its operand may be packed); this body is the reference
-    for running a rewritten program outside numatp's executor, on the plain weight.
-    """
-    w_kn = w.t() if layout == "nk" else w
-    return torch.mm(x, w_kn) if bias is None else torch.addmm(bias, x, w_kn)
-
-
-@gemm.register_fake
-def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str, layout: str) -> torch.Tensor:
-    n = w.shape[0] if layout == "nk" else w.shape[1]
-    return x.new_empty((x.shape[0], n))
-
-
-GEMM_OP = torch.ops.numatp.gemm.default
 
 DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32")
 
@@ -79,38 +67,6 @@ class GemmOptions:
         unknown = [p for p in (*self.providers, *([self.force] if self.force else [])) if p not in PROVIDERS]
         if unknown:
             raise ValueError(f"GemmOptions: unknown GEMM provider(s) {unknown}; choose from {sorted(PROVIDERS)}")
-
-
-@dataclass(frozen=True)
-class PackInfo:
-    """What a prepared operand is: its provider, the plain weight's shape/dtype/layout, the M it was packed for."""
-
-    provider: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    layout: str
-    m: int
-
-
-@dataclass
-class GemmStep:
-    """A weight matmul the executor runs itself: ``env[dst] = provider(env[x], env[w], env[bias])``."""
-
-    provider: str
-    x: str
-    w: str
-    bias: str | None
-    dst: str
-    n: int
-    k: int
-
-    @property
-    def inputs(self) -> list[str]:
-        return [self.x, self.w] + ([self.bias] if self.bias else [])
-
-    def __call__(self, env: dict[str, Any]) -> torch.Tensor:
-        b = env[self.bias] if self.bias else None
-        return PROVIDERS[self.provider].call(env[self.x], env[self.w], b, self.n, self.k)
 
 
 @dataclass
@@ -250,14 +206,6 @@ def report_rows(choices: list[GemmChoice]) -> list[dict[str, Any]]:
                          "threads": s.threads, "provider": prov, "gflops": c.rates[ph].get(prov),
                          "rates": c.rates[ph]})
     return rows
-
-
-def stand_in(t: Any) -> Any:
-    """A dense tensor of a prepared operand's plain shape, for shape propagation (no storage of its size)."""
-    info = getattr(t, "_numatp_gemm", None)
-    if info is None:
-        return t
-    return torch.empty(1, dtype=info.dtype).expand(info.shape)
 
 
 def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int | None = None) -> torch.Tensor:

@@ -1,0 +1,258 @@
+"""Per-shape variants of one Dynamo graph: for each concrete input signature, the graph traced, planned,
+localized, placed, compiled and run on the socket group (or, unsharded, on one worker of all CPUs).
+
+A graph with symbolic sizes (``dynamic=True``, or Dynamo's automatic dynamic shapes after a recompile) is
+specialised to the concrete sizes of each call: one variant per input signature, the same as
+``dynamic=False`` would compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from numatp.backend.policy import AUTO_ROUNDS, close_call, default_decider, runs_unsharded
+from numatp.backend.states import StateStore
+from numatp.backend.weights import WeightStore
+from numatp.plan import localize, plan_graph, trace_aten
+from numatp.plan.schema import Plan, Replicate
+from numatp.runtime.executor import ShardedExecutor
+from numatp.runtime.group import SocketGroup
+
+if TYPE_CHECKING:
+    from numatp.backend.core import NumaTPBackend
+
+__all__ = ["CompiledGraph", "Variant"]
+
+log = logging.getLogger("numatp")
+
+
+@dataclass
+class Variant:
+    plan: Plan
+    executor: ShardedExecutor | None
+    bindings: list
+    build_seconds: float = 0.0
+    baseline: Callable | None = None   # nothing sharded and GEMM providers off: plain Inductor, all cores
+    weights: list[list[Any]] | None = None  # per socket: its local weights, None where a call's input goes
+    states: StateStore | None = None        # where the sockets' copies of the inputs they write are
+
+    def __post_init__(self) -> None:
+        # replicated states (a cache's length) go back to the caller's tensor after each call
+        self.write_backs = [bd for bd in (self.bindings[0] if self.bindings else [])
+                            if bd.state and isinstance(bd.placement, Replicate)]
+        # per socket, which positions take this call's inputs and which its states (a decode step is
+        # a few milliseconds: only those positions are filled per call)
+        self._inputs = [[(i, bd.index) for i, bd in enumerate(b) if bd.placement is None] for b in self.bindings]
+        self._states = [[(i, bd) for i, bd in enumerate(b) if bd.state] for b in self.bindings]
+
+    def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
+        """Each socket's program arguments: the weights made at build time, this call's activations, and
+        the socket's copies of the states this call's inputs name."""
+        out = []
+        for r, weights in enumerate(self.weights):
+            local = list(weights)
+            for i, src in self._inputs[r]:
+                local[i] = args[src]
+            for i, bd in self._states[r]:
+                local[i] = self.states.get(args[bd.index], bd, r)
+            out.append(local)
+        return out
+
+    def __call__(self, *args: Any) -> Any:
+        if self.baseline is not None:
+            return self.baseline(*args)
+        out = self.executor.run(self.local_args(args))
+        for bd in self.write_backs:
+            self.states.write_back(args[bd.index], bd)
+        return out
+
+
+class CompiledGraph:
+    """One Dynamo graph: a variant (plan and socket programs) per concrete input signature."""
+
+    def __init__(self, backend: NumaTPBackend, gm: torch.fx.GraphModule):
+        self.backend = backend
+        self.gm = gm
+        self.variants: dict[tuple, Variant] = {}
+        self._lock = threading.Lock()
+        # inputs whose value the graph reads with .item(): under dynamic shapes Dynamo lifts Python floats
+        # (eps, dropout p, scaling) to 0-d tensor inputs; a variant is specialised to their values
+        self.scalars = _item_inputs(gm)
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        if self.scalars:
+            key += tuple(args[i].item() for i in self.scalars)
+        with self._lock:
+            variant = self.variants.get(key) or self._build(key, list(args))
+        return variant(*args)
+
+    def _build(self, key: tuple, args: list[Any]) -> Variant:
+        import time
+        t0 = time.perf_counter()
+        b = self.backend
+        n = b.topology.num_sockets
+        gm = _specialise(self.gm, {i: args[i].item() for i in self.scalars}) if self.scalars else self.gm
+        ag = trace_aten(gm, args, b.names)
+        stateful = any(ag.states)
+        policy = b.state_policy if stateful and b.state_policy is not None else b.policy
+        decide = None
+        if policy == "auto":
+            decide = b.decide or default_decider(b.topology)
+        plan = plan_graph(ag, n, policy=policy, decide=decide, plan=b.tp_plan)
+        if stateful and b.state_policy is None:
+            # the graphs that write one cache (prefill, decode) hold its states the same way
+            b.state_policy = "never" if runs_unsharded(plan, policy) else "always"
+        # measuring both plans would run the graph's writes (a cache's length) more than once
+        if policy == "auto" and close_call(plan, b.auto_measure) and not stateful:
+            variant = self._measure_both(plan, ag, args, t0)
+            self.variants[key] = variant
+            return variant
+        if runs_unsharded(plan, policy):
+            if b.gemm is None:
+                variant = Variant(plan, None, [], time.perf_counter() - t0,
+                                   baseline=_plain(self.gm, args, b.compiler.mode))
+                log.info("numatp: policy %s keeps this graph unsharded (plain Inductor)", policy)
+            else:
+                variant = self._unsharded(plan, ag, args, t0)
+                log.info("numatp: policy %s keeps this graph unsharded (one program on all %d CPUs)",
+                         policy, len(variant.executor.group.topology.sockets[0].cpus))
+            self.variants[key] = variant
+            return variant
+        variant = self._programs(plan, ag, args, b.group, b.weights, b.states, t0)
+        self.variants[key] = variant
+        log.info("numatp: %d sockets, %d reductions, built in %.1fs", n, plan.reductions, variant.build_seconds)
+        return variant
+
+    def _unsharded(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> Variant:
+        """One program on one socket of all CPUs: unsharded, but with the measured GEMM providers the
+        sharded programs get, so that the choice between the two compares like with like."""
+        group, store, states = self.backend.whole_machine()
+        # the program's own plan (one socket), with the blocks' reasons for leaving them unsharded
+        one = replace(plan_graph(ag, 1, policy="never"), blocks=plan.blocks, predicted=plan.predicted)
+        return self._programs(one, ag, args, group, store, states, t0)
+
+    def _measure_both(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> Variant:
+        """policy "auto" where the model's two predictions are close: build the graph sharded and
+        unsharded, time both on this call's inputs (one untimed call each, then alternating, best of
+        ``AUTO_ROUNDS``), keep the faster and drop the other's weights. The blocks' reasons say what
+        was predicted and what was measured."""
+        import time
+        b = self.backend
+        n = b.topology.num_sockets
+        sharded_plan = plan_graph(ag, n, policy="always", plan=b.tp_plan)
+        marks = {"sharded": (b.weights, b.weights.mark())}
+        sharded = self._programs(sharded_plan, ag, args, b.group, b.weights, b.states, t0)
+        unsharded_plan = plan_graph(ag, n, policy="never")
+        if b.gemm is None:
+            unsharded = Variant(unsharded_plan, None, [], baseline=_plain(self.gm, args, b.compiler.mode))
+        else:
+            store = b.whole_machine()[1]
+            marks["unsharded"] = (store, store.mark())
+            unsharded = self._unsharded(unsharded_plan, ag, args, t0)
+        best = {"sharded": float("inf"), "unsharded": float("inf")}
+        with torch.no_grad():
+            for v in (sharded, unsharded):
+                v(*args)   # untimed: the workers' first call starts their thread pools and allocations
+            for _ in range(AUTO_ROUNDS):
+                for name, v in (("sharded", sharded), ("unsharded", unsharded)):
+                    start = time.perf_counter()
+                    v(*args)
+                    best[name] = min(best[name], time.perf_counter() - start)
+        pick = "sharded" if best["sharded"] < best["unsharded"] else "unsharded"
+        lost = "unsharded" if pick == "sharded" else "sharded"
+        if lost in marks:
+            store, mark = marks[lost]
+            store.drop_since(mark)   # no shard or packed weight made for the losing plan stays alive
+        keep = sharded if pick == "sharded" else unsharded
+        pred = plan.predicted
+        note = (f"predicted {1e3 * pred['sharded']:.1f} ms sharded vs {1e3 * pred['unsharded']:.1f} ms unsharded "
+                f"(within {100 * b.auto_measure:.0f}%), so both were built and timed on the first call: "
+                f"sharded {1e3 * best['sharded']:.1f} ms, unsharded {1e3 * best['unsharded']:.1f} ms: {pick}")
+        # the blocks the pass can shard, as the sharded plan found them, each with the model's reason
+        # and the measurement; the kept plan's weights say how they run
+        why = {blk.module: blk.reason for blk in plan.blocks}
+        blocks = tuple(replace(blk, sharded=blk.sharded and pick == "sharded",
+                               reason=f"{why[blk.module]}; {note}" if why.get(blk.module) else note)
+                       for blk in sharded_plan.blocks)
+        keep.plan = replace(keep.plan, blocks=blocks, predicted=pred)
+        keep.build_seconds = time.perf_counter() - t0
+        log.info("numatp: policy auto measured both plans: %s", note)
+        return keep
+
+    def _programs(self, plan: Plan, ag: Any, args: list[Any], group: SocketGroup, store: WeightStore,
+                  states: StateStore, t0: float) -> Variant:
+        """Localize ``ag`` (annotated for ``group``'s socket count), place its weights in ``store`` and
+        its states in ``states``, compile and warm the programs on ``group``."""
+        import time
+        b = self.backend
+        n = group.size
+        programs = [localize(ag, plan, r) for r in range(n)]
+        bindings = [p.bindings for p in programs]
+        local = [_bind(store, states, bindings[r], args, r) for r in range(n)]
+        executor = ShardedExecutor(group, b.compiler, gemm=b.gemm)
+        executor.build([p.gm for p in programs], local,
+                       weights=[p.weight_indices for p in programs])
+        for r, swaps in enumerate(executor.swaps):
+            for plain, prepared in swaps.values():
+                store.replace(r, plain, prepared)
+        local = [_bind(store, states, bindings[r], args, r) for r in range(n)]
+        # warmed on copies of the states: this call's own run writes the cache (and its length) once
+        executor.warm([[a.clone() if bd.state else a for bd, a in zip(bindings[r], local[r])] for r in range(n)])
+        # the weights are fixed for this variant: look them up once, not on every call
+        weights = [[None if bd.placement is None or bd.state else a for bd, a in zip(bindings[r], local[r])]
+                   for r in range(n)]
+        return Variant(plan, executor, bindings, time.perf_counter() - t0, weights=weights, states=states)
+
+
+def _bind(store: WeightStore, states: StateStore, bindings: list, args: list[Any], rank: int) -> list[Any]:
+    """Socket ``rank``'s arguments: activations as given, its weights from ``store``, its states from ``states``."""
+    return [states.get(args[bd.index], bd, rank) if bd.state else
+            args[bd.index] if bd.placement is None else store.get(args[bd.index], bd, rank) for bd in bindings]
+
+
+_ITEM_FUNCTIONS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.Tensor.item)
+
+
+def _is_item(node: torch.fx.Node) -> bool:
+    return (node.op == "call_method" and node.target == "item") or (
+        node.op == "call_function" and node.target in _ITEM_FUNCTIONS)
+
+
+def _item_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """Positions of the placeholders whose value ``gm`` reads with ``.item()``."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    read = {n.args[0] for n in gm.graph.nodes if _is_item(n) and n.args and n.args[0] in placeholders}
+    return tuple(i for i, p in enumerate(placeholders) if p in read)
+
+
+def _specialise(gm: torch.fx.GraphModule, values: dict[int, Any]) -> torch.fx.GraphModule:
+    """A copy of ``gm`` where each ``.item()`` of placeholder ``i`` is the constant ``values[i]`` (tracing
+    with fake tensors cannot read a value; the variant's key holds it, so another value builds another)."""
+    import copy
+    gm = copy.deepcopy(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in list(gm.graph.nodes):
+        if _is_item(node) and node.args and node.args[0] in placeholders:
+            i = placeholders.index(node.args[0])
+            if i in values:
+                node.replace_all_uses_with(values[i])
+                gm.graph.erase_node(node)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _plain(gm: torch.fx.GraphModule, args: list[Any], mode: str) -> Callable:
+    """The graph as plain Inductor on the calling thread (all cores), or uncompiled in eager mode."""
+    if mode == "eager":
+        return gm
+    from torch._inductor.compile_fx import compile_fx
+    with torch.no_grad():
+        return compile_fx(gm, args)
