@@ -21,9 +21,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _children import compiled_modes, run_children
 
 
 def _bandwidth_gbs() -> tuple[float, str]:
@@ -48,11 +49,9 @@ def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds
 
     import torch
 
-    import numatp
     from numatp import zoo
     from numatp.cost import blocks_for
     from numatp.generate import generate_timed
-    from numatp.topology import Topology
 
     warnings.filterwarnings("ignore")
     cpus = len(os.sched_getaffinity(0))
@@ -61,13 +60,7 @@ def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds
     model = zoo.build(model_name, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
-    builders = {
-        "baseline": lambda: torch.compile(model),
-        "numatp-1": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=1)),
-        "numatp-2": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=2)),
-    }
-    if cpus >= 4:
-        builders["numatp-4"] = lambda: numatp.compile(model, sockets=Topology.virtual(sockets=4))
+    builders = compiled_modes(model, cpus)
     modes, tokens, compile_s = {}, {}, {}
     for name, build in builders.items():
         print(f"  compiling {name}", file=sys.stderr, flush=True)
@@ -117,22 +110,9 @@ def main() -> int:
     if a.child:
         print(json.dumps(child(a.child[0], a.child[1], a.prompt, a.new_tokens, a.rounds)))
         return 0
-    rows = []
     configs = [(m, d) for m in a.models for d in a.dtypes]
-    for i, (m, d) in enumerate(configs, 1):
-        print(f"[{i}/{len(configs)}] {m} {d}", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, "--child", m, d, "--prompt", str(a.prompt), "--new-tokens",
-               str(a.new_tokens), "--rounds", str(a.rounds)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
-        if r.returncode:
-            continue
-        row = json.loads(r.stdout.strip().splitlines()[-1])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    rows = run_children(__file__, configs, lambda c: ["--child", *c, "--prompt", str(a.prompt), "--new-tokens",
+                                                      str(a.new_tokens), "--rounds", str(a.rounds)], a.out)
     print("\ntok/s: decode tokens per second (median); tp1/base: numatp on 1 socket against torch.compile with a "
           "static cache (target >= 1); tp2/tp1: 2 virtual sockets against 1 (target >= 0.95); roof%: numatp's "
           "best decode against the bandwidth roofline (target >= 70%); TTFT: time to first token")

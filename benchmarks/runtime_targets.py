@@ -16,9 +16,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from _children import compiled_modes, run_children
 
 
 def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, freezing: bool) -> dict:
@@ -28,7 +29,6 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, f
 
     import numatp
     from numatp import zoo
-    from numatp.topology import Topology
 
     warnings.filterwarnings("ignore")
     cpus = len(os.sched_getaffinity(0))
@@ -40,13 +40,7 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, f
     compile_s = {}
     with torch.inference_mode():
         expected = model(**inputs).logits
-        builders = {
-            "baseline": lambda: torch.compile(model),
-            "numatp-1": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=1)),
-            "numatp-2": lambda: numatp.compile(model, sockets=Topology.virtual(sockets=2)),
-        }
-        if cpus >= 4:
-            builders["numatp-4"] = lambda: numatp.compile(model, sockets=Topology.virtual(sockets=4))
+        builders = compiled_modes(model, cpus)
         if freezing:
             # options={"freezing": True} does not reach Inductor's config on torch 2.13: patch the config
             builders["baseline-freezing"] = lambda: _frozen(torch.compile(model))
@@ -113,22 +107,10 @@ def main() -> int:
     if a.child:
         print(json.dumps(child(a.child[0], int(a.child[1]), a.child[2], a.warmup, a.iters, a.freezing)))
         return 0
-    rows = []
     configs = [(m, s, d) for m in a.models for d in a.dtypes for s in a.seqs]
-    for i, (m, s, d) in enumerate(configs, 1):
-        print(f"[{i}/{len(configs)}] {m} seq {s} {d}", file=sys.stderr, flush=True)
-        cmd = [sys.executable, __file__, "--child", m, str(s), d, "--warmup", str(a.warmup), "--iters", str(a.iters)]
-        cmd += ["--freezing"] if a.freezing else []
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
-        if r.returncode:
-            continue
-        row = json.loads(r.stdout.strip().splitlines()[-1])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    rows = run_children(__file__, configs, lambda c: ["--child", c[0], str(c[1]), c[2], "--warmup", str(a.warmup),
+                                                      "--iters", str(a.iters)] + (["--freezing"] if a.freezing else []),
+                        a.out)
     print("\ntp1/base: numatp on 1 socket against torch.compile (speed ratio, > 1 is faster); tpN/tp1: N virtual "
           "sockets against 1 (target >= 0.98); ar%: all-reduces, target <= 2%; gat%: the logits' gather")
     print(f"{'model':<12} {'seq':>5} {'dtype':<9} {'base ms':>8} {'tp1/base':>9} {'tp2/tp1':>8} {'ar2%':>5} "

@@ -34,3 +34,23 @@ def _private_cache(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch, tmp_path):
+    """``cli("explain", ...)`` -> (exit code, stdout, stderr) of ``numatp ...`` run in this process, with a
+    fresh cache folder."""
+    from numatp.cli import main
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+    def run(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -14,7 +14,6 @@ import torch
 
 import numatp
 from numatp import zoo
-from numatp.cli import main
 from tests.helpers import fresh_dynamo
 
 
@@ -26,22 +25,6 @@ def _numatp(*args: str, timeout: int = 600, env: dict[str, str] | None = None) -
 def _keep_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS",)}
 
-
-@pytest.fixture
-def cli(capsys, monkeypatch, tmp_path):
-    """``cli("explain", ...)`` -> (exit code, stdout, stderr) of ``numatp ...`` with a fresh cache folder."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        try:
-            code = main(list(args))
-        except SystemExit as e:
-            code = e.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def test_explain_json_lists_blocks_and_reductions(cli):

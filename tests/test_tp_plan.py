@@ -10,7 +10,6 @@ import torch
 
 import numatp
 from numatp import zoo
-from numatp.cli import main
 from numatp.plan import capture, hf_tp_plan, localize, parse_tp_plan, plan_graph
 from tests.helpers import assert_close_to_eager, fresh_dynamo, shared_cpu_topology
 from tests.test_families import _model
@@ -49,7 +48,7 @@ def test_gpt2_plan_reads_as_transformers_writes_one():
 
 
 @pytest.mark.parametrize("preset", ["llama", "qwen2.5-0.5b", "llama-3.2-1b", "phi-3-mini", "gemma3-270m"])
-def test_the_models_own_tp_plan_agrees_with_the_pass_and_runs(preset, cli_env):
+def test_the_models_own_tp_plan_agrees_with_the_pass_and_runs(preset, cli):
     fresh_dynamo()
     model = zoo.build(preset, tiny=True)
     ag = _graph(model)
@@ -59,7 +58,7 @@ def test_the_models_own_tp_plan_agrees_with_the_pass_and_runs(preset, cli_env):
     fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager", plan="hf")
     with torch.inference_mode():
         assert_close_to_eager(fast(input_ids=ids).logits, model(input_ids=ids).logits, f"{preset} plan='hf'")
-    code, out, _ = cli_env("explain", preset, "--tiny", "--seq", "8", "--plan", "hf", "--json")
+    code, out, _ = cli("explain", preset, "--tiny", "--seq", "8", "--plan", "hf", "--json")
     assert code == 0
     assert all(g["differs_from_pass"] == {} for g in json.loads(out)["graphs"])
 
@@ -137,30 +136,26 @@ def test_option_errors():
         torch.compile(model, backend="numatp", options={"plan": "hf"})(input_ids=torch.ones(1, 4, dtype=torch.long))
 
 
-def test_explain_json_plan_passes_back_through_a_file(cli_env, tmp_path):
-    code, out, _ = cli_env("explain", "gpt2", "--tiny", "--seq", "8", "--json")
+def test_explain_json_plan_passes_back_through_a_file(cli, tmp_path):
+    code, out, _ = cli("explain", "gpt2", "--tiny", "--seq", "8", "--json")
     assert code == 0
     (graph,) = json.loads(out)["graphs"]
     edited = dict(graph["tp_plan"], **{"transformer.h.1.mlp.c_proj": "replicate"})
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(edited))
-    code, out, _ = cli_env("explain", "gpt2", "--tiny", "--seq", "8", "--plan", str(path))
+    code, out, _ = cli("explain", "gpt2", "--tiny", "--seq", "8", "--plan", str(path))
     assert code == 0
     assert "transformer.h.1.mlp.c_proj: replicate (the pass: rowwise)" in out
     assert "transformer.h.1.mlp.c_fc: replicate (the pass: colwise)" in out
 
 
-@pytest.fixture
-def cli_env(capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-
-    def run(*args: str) -> tuple[int, str, str]:
-        capsys.readouterr()
-        try:
-            code = main(list(args))
-        except SystemExit as e:
-            code = e.code
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
+@pytest.mark.parametrize("value, message", [
+    ("colwise", r"in no attention or MLP block: outside a block numatp splits only an LM head"),
+    ("rowwise", r"in no attention or MLP block: nothing before it splits its input"),
+])
+def test_a_projection_outside_the_blocks_is_an_lm_head_or_replicated(value, message):
+    # BERT's MLM head transform: a 64 x 64 dense between the last layer and the decoder
+    ag = _graph(zoo.build("bert-small", tiny=True))
+    plan_graph(ag, 2, plan=parse_tp_plan({"cls.predictions.transform.dense": "replicate"}))
+    with pytest.raises(ValueError, match=message):
+        plan_graph(ag, 2, plan=parse_tp_plan({"cls.predictions.transform.dense": value}))

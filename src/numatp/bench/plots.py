@@ -77,45 +77,38 @@ def heatmaps(means: Mapping[str, Mapping[Point, float]], out: Path) -> list[Path
 def speedup_bars(speedups: Mapping[str, Mapping[Point, float]], out: Path) -> list[Path]:
     """One PNG with a panel per (model, dtype): a group of bars per (batch, seq), one bar per mode,
     and a dashed line at parity."""
-    groups = sorted({(p.model, p.dtype) for s in speedups.values() for p in s})
-    if not groups:
-        return []
-    modes = [m for m, s in speedups.items() if s]
-    fig = Figure(figsize=(10, 2.6 * len(groups)), layout="constrained")
-    axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
-    width = 0.8 / len(modes)
-    for ax, (model, dtype) in zip(axes, groups):
-        points = sorted({p for s in speedups.values() for p in s if (p.model, p.dtype) == (model, dtype)})
-        for k, mode in enumerate(modes):
-            heights = [speedups[mode].get(p, np.nan) for p in points]
-            ax.bar(np.arange(len(points)) + (k - (len(modes) - 1) / 2) * width, heights, width, label=mode)
-        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
-        ax.set_xticks(range(len(points)), [f"b{p.batch}\ns{p.seq}" for p in points], fontsize=8)
-        ax.set_ylabel("speedup over baseline")
-        ax.set_title(f"{model} {dtype}")
-    axes[0].legend(ncols=min(len(modes), 5), fontsize=8, loc="upper left")
-    return [_save(fig, out / "speedup.png")]
+    return _bar_panels(speedups, "speedup over baseline", "", lambda p: f"b{p.batch}\ns{p.seq}",
+                       out / "speedup.png", parity=True)
 
 
 def decode_bars(rates: Mapping[str, Mapping[Point, Mapping[str, float]]], out: Path) -> list[Path]:
     """One PNG with a panel per (model, dtype): decode tokens/s per (batch, prompt), one bar per mode."""
-    groups = sorted({(p.model, p.dtype) for r in rates.values() for p in r})
+    values = {m: {p: r["tokens_per_s"] for p, r in by_point.items()} for m, by_point in rates.items()}
+    return _bar_panels(values, "decode tokens/s", ": decode", lambda p: f"b{p.batch}\nprompt {p.seq}",
+                       out / "decode.png", parity=False)
+
+
+def _bar_panels(values: Mapping[str, Mapping[Point, float]], ylabel: str, title: str, tick, path: Path, *,
+                parity: bool) -> list[Path]:
+    groups = sorted({(p.model, p.dtype) for v in values.values() for p in v})
     if not groups:
         return []
-    modes = [m for m, r in rates.items() if r]
+    modes = [m for m, v in values.items() if v]
     fig = Figure(figsize=(10, 2.6 * len(groups)), layout="constrained")
     axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
     width = 0.8 / len(modes)
     for ax, (model, dtype) in zip(axes, groups):
-        points = sorted({p for r in rates.values() for p in r if (p.model, p.dtype) == (model, dtype)})
+        points = sorted({p for v in values.values() for p in v if (p.model, p.dtype) == (model, dtype)})
         for k, mode in enumerate(modes):
-            heights = [rates[mode][p]["tokens_per_s"] if p in rates[mode] else np.nan for p in points]
+            heights = [values[mode].get(p, np.nan) for p in points]
             ax.bar(np.arange(len(points)) + (k - (len(modes) - 1) / 2) * width, heights, width, label=mode)
-        ax.set_xticks(range(len(points)), [f"b{p.batch}\nprompt {p.seq}" for p in points], fontsize=8)
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"{model} {dtype}: decode")
+        if parity:
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(points)), [tick(p) for p in points], fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{model} {dtype}{title}")
     axes[0].legend(ncols=min(len(modes), 5), fontsize=8, loc="upper left")
-    return [_save(fig, out / "decode.png")]
+    return [_save(fig, path)]
 
 
 def scaling_plot(series: Mapping[str, Mapping[int, float]], out: Path) -> list[Path]:
