@@ -83,11 +83,11 @@ class NumaTPBackend:
             self._whole = SocketGroup(whole), WeightStore(whole, place=False), StateStore(whole)
         return self._whole
 
-    def reload_states(self, user: torch.Tensor | None = None) -> None:
+    def reload_states(self) -> None:
         """Copy the caller's state tensors (a cache just reset) into every socket's copy again."""
-        self.states.reload(user)
+        self.states.reload()
         if self._whole is not None:
-            self._whole[2].reload(user)
+            self._whole[2].reload()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         graph = CompiledGraph(self, gm)

@@ -71,12 +71,12 @@ class StateStore:
         with torch.no_grad():
             user.copy_(self._made[self._key(user, b, 0)][0])
 
-    def reload(self, user: torch.Tensor | None = None) -> None:
-        """Copy the caller's values into every socket's copy again: of ``user``, or of every state."""
+    def reload(self) -> None:
+        """Copy the caller's values into every socket's copy of every state again."""
         with torch.no_grad():
             for key, (local, placement) in self._made.items():
                 source = self._sources[key[0]]()
-                if source is not None and (user is None or source is user):
+                if source is not None:
                     local.copy_(shard_tensor(source.detach(), placement, key[2]))
 
     def _forget(self, ident: int) -> None:

@@ -60,12 +60,11 @@ def run(args: argparse.Namespace) -> int:
 
     import numatp
     from numatp import zoo
+    from numatp.bench.machine import resolve_ranks
     from numatp.topology import Topology, format_cpulist
 
     warnings.filterwarnings("ignore", message="numatp: virtual sockets")
-    detected = Topology.detect()
-    sockets = args.sockets or (detected.num_sockets if detected.num_sockets > 1 else 2)
-    topo = numatp.backend.resolve_topology(sockets)
+    topo = resolve_ranks(args.sockets, Topology.detect())
     kind = "virtual sockets on one memory node" if topo.is_virtual else "NUMA nodes"
     print(f"topology: {topo.num_sockets} {kind}: " +
           "; ".join(f"socket {s.index} = node {s.node}, CPUs {format_cpulist(s.cpus)}" for s in topo.sockets))

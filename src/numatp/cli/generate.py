@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     import numatp
     from numatp import zoo
     from numatp.generate import generate_timed
+    from numatp.bench.machine import resolve_ranks
     from numatp.topology import Topology
 
     warnings.filterwarnings("ignore", message="numatp: virtual sockets")
@@ -71,8 +72,6 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             print(f"numatp generate: no tokenizer in {args.model}: {e}; use --prompt-len N", file=sys.stderr)
             return 2
-    detected = Topology.detect()
-    sockets = args.sockets or (detected.num_sockets if detected.num_sockets > 1 else 2)
     dtype = getattr(torch, args.dtype)
     _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype})")
     try:
@@ -90,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         length = args.prompt_len or 128
         ids = torch.randint(0, model.config.vocab_size, (args.batch, length), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
-    topo = numatp.backend.resolve_topology(sockets)
+    topo = resolve_ranks(args.sockets, Topology.detect())
     kw = dict(max_new_tokens=args.new_tokens, do_sample=args.sample)
     if not args.sample:
         kw["pad_token_id"] = tokenizer.pad_token_id if tokenizer is not None else 0
