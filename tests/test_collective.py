@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from numatp.runtime import collective
+from numatp.runtime import native
 from numatp.runtime.collective import FUSED_BYTES, CollectiveTimeout, CommAborted, SocketComm
 from numatp.runtime.group import GroupAborted, SocketError, SocketGroup
 from numatp.topology import Topology
@@ -159,10 +159,11 @@ def test_a_failed_peer_stops_the_collective_even_before_it_exists():
         assert all(torch.equal(o, torch.full((4,), 2.0)) for o in outs)
 
 
-def test_missing_compiler_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(collective.shutil, "which", lambda name: None)
+@pytest.mark.parametrize("source", ["collective.cpp", "gemm_ops.cpp"])
+def test_missing_compiler_is_a_clear_error(monkeypatch, source):
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler.*apt-get install g\\+\\+"):
-        collective._build()
+        native.build(source, ())
 
 
 def test_group_aborted_is_what_the_peers_of_a_failed_socket_see():

@@ -11,6 +11,8 @@ import numatp
 from numatp import zoo
 from numatp.runtime import gemm as gemm_mod
 from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, ceilings, measure
+from numatp.runtime.native import load_gemm_ops
+from numatp.runtime.segments import Collective, Segment
 from numatp.backend import backend_of
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
@@ -74,14 +76,50 @@ def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
         assert len({r["weight"] for r in backend.gemm_report() if r["rank"] == rank}) == 2 * per_layer + 1
 
 
-# Under Inductor a provider runs as the same GEMM step between compiled segments as in eager mode
-# (test_forced_provider_equals_eager covers every provider there): one socket and two, fp32 and bf16
+# Under Inductor a provider runs inside the compiled segment (numatp::linear, called from its C++
+# wrapper), as it does uncompiled in eager mode (test_forced_provider_equals_eager covers every provider
+# there): one socket and two, fp32 and bf16, packed oneDNN and MKL operands
 @pytest.mark.parametrize(("family", "dtype", "provider", "sockets"), [
     ("gpt2", torch.float32, "onednn_packed", 1), ("llama", torch.bfloat16, "mkl_packed_f32", 2)])
 def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_path):
     assert _supported(provider, dtype), f"{provider} is expected to run {dtype} on every x86-64 CPU torch supports"
     backend = _run(family, dtype, sockets, GemmOptions(force=provider, cache_dir=str(tmp_path)), mode="inductor")
     _check_forced(backend, provider)
+    _check_no_cuts(backend, sockets)
+
+
+def _check_no_cuts(backend, sockets):
+    """Every weight matmul is a numatp::linear inside a segment: the programs are cut only at collectives."""
+    weights = {rank: {r["weight"] for r in backend.gemm_report() if r["rank"] == rank} for rank in range(sockets)}
+    for graph in backend.graphs:
+        for variant in graph.variants.values():
+            for prog in variant.executor.programs:
+                assert all(isinstance(s, (Segment, Collective)) for s in prog.steps)
+                calls = [n for s in prog.steps if isinstance(s, Segment) for n in s.gm.graph.nodes
+                         if n.target is torch.ops.numatp.linear.default]
+                assert len(calls) >= len(weights[prog.rank]) > 0
+                segments = sum(isinstance(s, Segment) for s in prog.steps)
+                collectives = sum(isinstance(s, Collective) for s in prog.steps)
+                assert segments <= collectives + 1
+
+
+def test_native_linear_takes_each_providers_operand():
+    """numatp::linear (C++) on each provider's prepared operand equals the provider's Python call."""
+    load_gemm_ops()
+    g = torch.Generator().manual_seed(0)
+    for dtype, provider in CASES:
+        for layout in ("nk", "kn"):
+            x = torch.randn(5, 24, generator=g).to(dtype)
+            w_nk = torch.randn(40, 24, generator=g).to(dtype)
+            w = w_nk if layout == "nk" else w_nk.t().contiguous().t()
+            bias = torch.randn(40, generator=g).to(dtype)
+            p = PROVIDERS[provider]
+            op = p.prepare(w, 5)
+            for b in (bias, None):
+                want = p.call(x, op, b, 40, 24)
+                got = torch.ops.numatp.linear(x, op, b, gemm_mod.NATIVE[provider], 40, 24)
+                assert got.dtype == dtype and got.shape == (5, 40)
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{provider} {dtype} {layout}")
 
 
 def _check_forced(backend, provider):

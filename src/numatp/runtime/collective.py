@@ -1,10 +1,9 @@
 """The sockets' barrier and all-reduce in C++, without the GIL.
 
-``collective.cpp`` beside this file is compiled on first use with the C++ compiler Inductor uses
-(``-O3 -march=native -fopenmp``) into ``~/.cache/numatp/ext/``, keyed by its source, the compiler and
-this CPU, and loaded with ``ctypes``, which releases the GIL for the length of every call. Its OpenMP
-loops run on the calling worker's own team (torch's OpenMP runtime, already loaded, is the one the
-library binds to), so a socket reduces with its own pinned threads.
+``collective.cpp`` beside this file is compiled on first use (:mod:`numatp.runtime.native`, ``-O3
+-march=native -fopenmp``) and loaded with ``ctypes``, which releases the GIL for the length of every
+call. Its OpenMP loops run on the calling worker's own team (torch's OpenMP runtime, already loaded, is
+the one the library binds to), so a socket reduces with its own pinned threads.
 
 An all-reduce reads the peers' partial sums in place (the sockets share one address space): below
 :data:`FUSED_BYTES` every socket sums all partials after one barrier; above, each socket reduces its
@@ -17,18 +16,13 @@ never arrived.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 import weakref
 from pathlib import Path
 
 import torch
 
-from numatp._cache import cache_dir
+from numatp.runtime.native import build
 
 __all__ = ["FUSED_BYTES", "CollectiveTimeout", "CommAborted", "SocketComm", "library"]
 
@@ -36,7 +30,6 @@ FUSED_BYTES = 32 << 10
 """At or below this many bytes an all-reduce sums every partial on every socket (one barrier fewer);
 above, reduce-scatter + all-gather."""
 
-_SOURCE = Path(__file__).with_name("collective.cpp")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_SOCKETS = 64   # kMaxRanks in collective.cpp
@@ -56,48 +49,13 @@ class CollectiveTimeout(RuntimeError):
         self.missing = missing
 
 
-def _compiler() -> str:
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-        found = shutil.which(get_cpp_compiler())
-    except Exception:  # noqa: BLE001  (an Inductor without this helper: look on PATH)
-        found = None
-    for name in (found, "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    raise RuntimeError("numatp's socket collective is compiled on first use and needs a C++ compiler, the "
-                       "same one torch.compile's C++ backend needs: none found (g++, c++, clang++) on PATH; "
-                       "install one (Debian/Ubuntu: apt-get install g++) or point $CXX at it")
-
-
 def library() -> ctypes.CDLL:
     """The compiled collective, built once per source, compiler and CPU."""
     global _lib
     with _lock:
         if _lib is None:
-            _lib = _load(_build())
+            _lib = _load(build("collective.cpp", _FLAGS))
         return _lib
-
-
-def _build() -> Path:
-    from numatp.runtime.gemm import cpu_signature
-
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(_SOURCE.read_bytes() + repr((cxx, version, _FLAGS, cpu_signature())).encode())
-    folder = cache_dir() / "ext"
-    target = folder / f"collective-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    proc = subprocess.run([cxx, *_FLAGS, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"numatp: compiling {_SOURCE.name} with {cxx} failed:\n{proc.stderr[-4000:]}")
-    os.replace(tmp, target)   # atomic: another process building the same key at once finds a whole file
-    return target
 
 
 def _load(path: Path) -> ctypes.CDLL:

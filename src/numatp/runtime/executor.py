@@ -1,7 +1,8 @@
 """Run the per-socket programs on a socket group: compiled segments, all-reduces between them.
 
 Contract. ``build`` takes each socket's local program and arguments: it applies the GEMM rewrite,
-strips the collectives when there is one socket, splits and compiles, and records per step what to free
+strips the collectives when there is one socket, turns single-query attention (a decode step) into
+fused reductions (:mod:`numatp.plan.attention_pass`), splits and compiles, and records per step what to free
 (``SocketProgram.finish``). ``run`` guarantees socket 0's outputs, every socket having performed the same
 collectives; an exception in any socket reaches the caller (its peers stop waiting), and a socket
 missing past the group's timeout is named. ``src/numatp/runtime/README.md`` walks one call end to end.
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
+from numatp.plan.attention_pass import fuse_single_query_attention
 from numatp.plan.ops import COLLECTIVES
 from numatp.plan.reference import place
 from numatp.runtime.gemm import GemmStep, stand_in
@@ -98,6 +100,7 @@ class ShardedExecutor:
         for rank, (gm, args) in enumerate(zip(local_gms, local_args)):
             if self.group.size == 1:
                 gm = strip_collectives(gm)
+            fuse_single_query_attention(gm)
             placeholders, steps, outs = split_program(gm, [stand_in(a) for a in args])
             threads = len(self.group.topology.sockets[rank].cpus)
             for s in steps:

@@ -44,7 +44,7 @@ log = logging.getLogger("numatp")
 
 __all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "measure_all", "cpu_signature", "ceilings",
            "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir", "GEMM_OP",
-           "GemmStep", "PackInfo", "gemm", "stand_in"]
+           "GemmStep", "PackInfo", "gemm", "stand_in", "NATIVE"]
 
 mkldnn = torch.ops.mkldnn
 
@@ -398,6 +398,10 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str
 
 
 GEMM_OP = torch.ops.numatp.gemm.default
+
+NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2}
+"""Providers that ``numatp::linear`` (``gemm_ops.cpp``) runs in C++, by its provider code: a segment
+calls them without leaving compiled code. The others (``inductor_cpp``) stay a cut of the program."""
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""Cut a socket program at its collectives and GEMM steps into segments, and compile each distinct one once.
+"""Cut a socket program at its collectives into segments, and compile each distinct one once.
 
-A program is cut at every ``numatp::all_reduce`` / ``all_gather`` (two reductions per transformer layer)
-and every ``numatp::gemm`` the GEMM rewrite put in (a weight matmul run by its provider): the pieces in
-between are segments. Layers of the same shape give segments with the same code: canonical names make
+A program is cut at every ``numatp::all_reduce`` / ``all_gather`` (two reductions per transformer layer):
+the pieces in between are segments. A ``numatp::gemm`` the GEMM rewrite put in (a weight matmul run by
+its measured provider) stays inside its segment as ``numatp::linear``, the provider's C++ op, which the
+compiled segment calls from its C++ wrapper without the GIL (:mod:`numatp.runtime.native`); only a
+provider that is itself a Python callable (``inductor_cpp``) cuts the program, as a GEMM step. Layers of the same shape give segments with the same code: canonical names make
 them compare equal, and one Inductor compilation serves every layer and every socket with the same
 local shapes.
 
@@ -24,7 +26,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.plan.ops import COLLECTIVES
-from numatp.runtime.gemm import GEMM_OP, GemmStep
+from numatp.runtime.gemm import GEMM_OP, NATIVE, GemmStep
+from numatp.runtime.native import load_gemm_ops
 
 __all__ = ["Segment", "Collective", "split_program", "SegmentCompiler"]
 
@@ -54,6 +57,7 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(t) if isinstance(t, torch.Tensor) else t
                                           for t in example_inputs])
+    _native_gemms(gm)
     nodes = list(gm.graph.nodes)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
@@ -89,6 +93,25 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[
         steps.append(_segment(gm, current, len(nodes), last_use, output))
     outs = [a.name if isinstance(a, torch.fx.Node) else ("const", a) for a in output.args[0]]
     return placeholders, steps, outs
+
+
+def _native_gemms(gm: torch.fx.GraphModule) -> None:
+    """Each ``numatp::gemm`` whose provider has a C++ kernel becomes ``numatp::linear`` in place."""
+    sites = [n for n in gm.graph.nodes if n.target is GEMM_OP and n.args[3] in NATIVE]
+    if not sites:
+        return
+    load_gemm_ops()
+    for n in sites:
+        x, w, b, provider, layout = n.args
+        val = n.meta["val"]
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(torch.ops.numatp.linear.default,
+                                         (x, w, b, NATIVE[provider], int(val.shape[1]), int(x.meta["val"].shape[1])))
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _segment(gm, body: list[torch.fx.Node], end: int, last_use: dict[str, int], output) -> Segment:
@@ -153,7 +176,10 @@ class SegmentCompiler:
             fn = seg.gm
         else:
             from torch._inductor.compile_fx import compile_fx
-            patches = {"cpp_wrapper": True, "cpp.threads": threads}
+            # no input size asserts: a packed GEMM operand is an opaque tensor (or MKL's buffer) where
+            # the segment was compiled for a stand-in of the weight's plain shape, which only the
+            # provider's op reads
+            patches = {"cpp_wrapper": True, "cpp.threads": threads, "size_asserts": False}
             with torch.no_grad():
                 fn = compile_fx(seg.gm, seg.example, config_patches=patches)
         with self._lock:
