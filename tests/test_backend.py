@@ -50,13 +50,21 @@ def test_runtime_equals_eager(family, dtype, sockets):
     assert all(r["gflops"] for r in rows)
 
 
-def test_inductor_one_socket_is_one_segment():
-    # Inductor's own matmuls (gemm=False): the segment count below is exact, whatever this CPU's GEMM rates.
+def test_inductor_one_socket_is_cut_once_per_layer():
+    # Inductor's own matmuls (gemm=False): the segment counts below are exact, whatever this CPU's GEMM rates.
     # Two sockets under Inductor: tests/test_entry.py::test_dynamic_true_specialises_each_length_under_inductor
     model, inputs, compiled, expected, actual = _eager_and_compiled("gpt2", torch.float32, 1, "inductor",
                                                                     gemm=False)
     assert_close_to_eager(actual, expected, "gpt2 inductor 1 socket")
-    assert backend_of(compiled).compiler.compiled == 1  # no collectives: one segment
+    backend = backend_of(compiled)
+    (variant,) = [v for g in backend.graphs for v in g.variants.values()]
+    (prog,) = variant.executor.programs
+    # cut after the embedding and after each layer (the identity with one socket): a layer is a segment
+    kinds = [type(s).__name__ for s in prog.steps]
+    layers = model.config.n_layer
+    assert kinds == ["Segment", "Collective"] * (layers + 1) + ["Segment"]
+    assert backend.compiler.compiled + backend.compiler.reused == layers + 2
+    assert variant.executor.performed == {"all_reduce": 0, "all_gather": 0}   # nothing to sum on one socket
     assert [r["socket"] for r in placement_report(compiled)["ranks"]] == [0]
 
 

@@ -9,10 +9,12 @@ import time
 import pytest
 import torch
 
-from numatp.runtime import native
+from numatp.runtime import collective, native
+from numatp.runtime.native import load_ops
 from numatp.runtime.collective import FUSED_BYTES, CollectiveTimeout, CommAborted, SocketComm
 from numatp.runtime.group import GroupAborted, SocketError, SocketGroup
 from numatp.topology import Topology
+from tests.helpers import shared_cpu_topology
 
 
 def _on_threads(size: int, fn) -> list:
@@ -159,11 +161,10 @@ def test_a_failed_peer_stops_the_collective_even_before_it_exists():
         assert all(torch.equal(o, torch.full((4,), 2.0)) for o in outs)
 
 
-@pytest.mark.parametrize("source", ["collective.cpp", "gemm_ops.cpp"])
-def test_missing_compiler_is_a_clear_error(monkeypatch, source):
+def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(native.shutil, "which", lambda name: None)
     with pytest.raises(RuntimeError, match="needs a C\\+\\+ compiler.*apt-get install g\\+\\+"):
-        native.build(source, ())
+        native.build()
 
 
 def test_group_aborted_is_what_the_peers_of_a_failed_socket_see():
@@ -182,3 +183,67 @@ def test_group_aborted_is_what_the_peers_of_a_failed_socket_see():
         with pytest.raises(SocketError, match="socket 0"):
             group.run(task)
     assert seen and "a peer socket failed" in seen[0]
+
+
+# numatp::socket_all_reduce: the same collective, called from compiled code (here: from Python, which
+# goes through the same dispatcher op) by a worker that entered its socket
+
+def _op_reduce(group, rank, partial, after=None):
+    with group.compiled_collectives(rank) as done:
+        out, token = torch.ops.numatp.socket_all_reduce(partial, after)
+    assert token.numel() == 1
+    return out, done
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", [7, FUSED_BYTES])   # the fused sum and reduce-scatter + all-gather
+def test_op_sums_the_partials_of_the_sockets_that_entered(dtype, numel):
+    load_ops()
+    parts = [torch.randn(numel, generator=torch.Generator().manual_seed(r)).to(dtype) for r in range(3)]
+    want = (parts[0].float() + parts[1].float() + parts[2].float()).to(dtype)
+    with SocketGroup(shared_cpu_topology(3)) as group:
+        results = group.run(lambda r: _op_reduce(group, r, parts[r]))
+    for out, (seconds, count) in results:
+        assert torch.equal(out, want) and count == 1 and seconds > 0
+
+
+def test_op_outside_a_socket_worker_says_so_and_rehearsal_copies():
+    load_ops()
+    x = torch.ones(3)
+    with pytest.raises(RuntimeError, match="runs only inside a socket worker of numatp's executor"):
+        torch.ops.numatp.socket_all_reduce(x, None)
+    with collective.rehearsal():
+        out, _ = torch.ops.numatp.socket_all_reduce(x, None)
+    assert torch.equal(out, x) and out.data_ptr() != x.data_ptr()
+    with pytest.raises(RuntimeError, match="runs only inside"):   # the rehearsal ended
+        torch.ops.numatp.socket_all_reduce(x, None)
+
+
+def test_op_peer_failure_reaches_the_caller_and_the_group_stays_usable():
+    load_ops()
+    with SocketGroup(Topology.virtual(sockets=2), timeout=30) as group:
+        def task(rank):
+            with group.compiled_collectives(rank):
+                if rank == 1:
+                    raise ValueError("boom")
+                return torch.ops.numatp.socket_all_reduce(torch.ones(4), None)[0]   # would wait for socket 1
+
+        start = time.perf_counter()
+        with pytest.raises(SocketError, match=r"socket 1 .*ValueError: boom"):
+            group.run(task)
+        assert time.perf_counter() - start < 10
+        outs = group.run(lambda r: _op_reduce(group, r, torch.ones(4))[0])
+        assert all(torch.equal(o, torch.full((4,), 2.0)) for o in outs)
+
+
+def test_op_names_a_stuck_socket():
+    load_ops()
+    with SocketGroup(Topology.virtual(sockets=2), timeout=0.5) as group:
+        def task(rank):
+            if rank == 1:
+                time.sleep(2)
+            return _op_reduce(group, rank, torch.ones(4))[0]
+
+        with pytest.raises(SocketError, match=r"timed out: socket 1 did not reach an all-reduce within 0.5 s"):
+            group.run(task)
+        assert len(group.run(lambda r: _op_reduce(group, r, torch.ones(4))[0])) == 2

@@ -11,7 +11,7 @@ import numatp
 from numatp import zoo
 from numatp.runtime import gemm as gemm_mod
 from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, ceilings, measure
-from numatp.runtime.native import load_gemm_ops
+from numatp.runtime.native import load_ops
 from numatp.runtime.segments import Collective, Segment
 from numatp.backend import backend_of
 from numatp.plan.gemm_pass import GemmOptions
@@ -105,7 +105,7 @@ def _check_no_cuts(backend, sockets):
 
 def test_native_linear_takes_each_providers_operand():
     """numatp::linear (C++) on each provider's prepared operand equals the provider's Python call."""
-    load_gemm_ops()
+    load_ops()
     g = torch.Generator().manual_seed(0)
     for dtype, provider in CASES:
         for layout in ("nk", "kn"):

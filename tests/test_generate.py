@@ -8,6 +8,8 @@ checked is the pass, the per-socket KV cache and the runtime.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -143,6 +145,27 @@ def test_sampling_follows_the_same_random_draws_as_eager():
     assert torch.equal(got, expected)
     greedy = fast.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert not torch.equal(got, greedy)   # the draws did something
+
+
+def test_token_loop_runs_on_one_thread_with_numatp_only(monkeypatch):
+    # with numatp the loop's ops stay off the sockets' cores (the calling thread's OpenMP team would spin
+    # there); a model another compiler runs on this thread keeps its threads; the count comes back after
+    gen = importlib.import_module("numatp.generate")   # numatp.generate is also the function
+
+    seen = []
+    monkeypatch.setattr(gen, "_warpers", lambda *a: [lambda _, logits: seen.append(torch.get_num_threads()) or logits])
+    model = _tiny("gpt2")
+    ids, mask = _prompt(model, batch=1)
+    fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for compiled, threads in ((fast, 1), (model, 2)):
+            seen.clear()
+            gen.generate(compiled, ids, attention_mask=mask, max_new_tokens=3, do_sample=True, pad_token_id=0)
+            assert seen == [threads] * 3 and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_eos_ends_a_row_and_pads_it_like_eager():

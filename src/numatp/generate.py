@@ -26,6 +26,9 @@ from typing import Any
 
 import torch
 
+from numatp.backend.entry import compiled_by_numatp
+from numatp.runtime.group import callers_threads
+
 __all__ = ["Generation", "generate", "generate_timed", "static_cache"]
 
 _CACHE_STEP = 64   # cache lengths are rounded up to a multiple: nearby prompt lengths share a decode program
@@ -113,7 +116,13 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     warp = _warpers(pick(temperature, "temperature"), pick(top_k, "top_k"), pick(top_p, "top_p")) if do_sample else []
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
-    with torch.inference_mode():
+    # with numatp, the token loop's own ops (logits to fp32, argmax, masks) run on this thread alone: a
+    # parallel op here wakes this thread's OpenMP team, whose threads then spin for milliseconds on the
+    # cores the socket workers compute on (measured: gpt2-medium bf16 decode on 2 virtual sockets, 26 ->
+    # 18 ms a token). Another compiler's model computes on this thread: its thread count stays.
+    with torch.inference_mode(), callers_threads():
+        if compiled_by_numatp(compiled):
+            torch.set_num_threads(1)
         cache = _reusable_cache(compiled, model, batch, length, dtype)
         ids = input_ids.clone()
         mask = torch.ones(batch, length, dtype=torch.long)

@@ -28,7 +28,8 @@ from numatp.plan.schema import Plan
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
-__all__ = ["CompiledModel", "backend_of", "compile", "numatp_backend", "placement_report", "plans"]
+__all__ = ["CompiledModel", "backend_of", "compile", "compiled_by_numatp", "numatp_backend", "placement_report",
+           "plans"]
 
 log = logging.getLogger("numatp")
 
@@ -119,23 +120,37 @@ def _calling_wrapper() -> Any:
 def backend_of(compiled: Any) -> NumaTPBackend:
     """The backend of a model (or function) compiled by :func:`compile` or by ``torch.compile(...,
     backend="numatp")``."""
+    found, registered = _find(compiled)
+    if found is not None:
+        return found
+    if registered:
+        raise ValueError("this model was compiled with backend='numatp' but has not run yet: call it once, "
+                         "then ask for its plans or placement")
+    raise ValueError(f"{type(compiled).__name__} was not compiled by numatp: pass the model returned by "
+                     "numatp.compile(model) or torch.compile(model, backend='numatp')")
+
+
+def compiled_by_numatp(compiled: Any) -> bool:
+    """Whether ``compiled`` runs through numatp's backend (before its first call too)."""
+    found, registered = _find(compiled)
+    return found is not None or registered
+
+
+def _find(compiled: Any) -> tuple[NumaTPBackend | None, bool]:
+    """(the backend, whether the registered backend was named) along Dynamo's chain of callbacks."""
     link = _dynamo_callback(compiled)
     registered = False
     for _ in range(16):
         if link is None:
             break
         if isinstance(link, NumaTPBackend):
-            return link
+            return link, True
         found = getattr(link, _ATTR, None)
         if isinstance(found, NumaTPBackend):
-            return found
+            return found, True
         registered = registered or getattr(link, "compiler_fn", None) is numatp_backend
         link = getattr(link, "_torchdynamo_orig_backend", None) or getattr(link, "compiler_fn", None)
-    if registered:
-        raise ValueError("this model was compiled with backend='numatp' but has not run yet: call it once, "
-                         "then ask for its plans or placement")
-    raise ValueError(f"{type(compiled).__name__} was not compiled by numatp: pass the model returned by "
-                     "numatp.compile(model) or torch.compile(model, backend='numatp')")
+    return None, registered
 
 
 def _dynamo_callback(compiled: Any) -> Any:

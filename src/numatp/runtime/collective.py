@@ -1,8 +1,10 @@
 """The sockets' barrier and all-reduce in C++, without the GIL.
 
-``collective.cpp`` beside this file is compiled on first use (:mod:`numatp.runtime.native`, ``-O3
--march=native -fopenmp``) and loaded with ``ctypes``, which releases the GIL for the length of every
-call. Its OpenMP loops run on the calling worker's own team (torch's OpenMP runtime, already loaded, is
+``collective.cpp`` beside this file is compiled on first use into numatp's library
+(:mod:`numatp.runtime.native`, ``-O3 -march=native -fopenmp``) and called through ``ctypes``, which
+releases the GIL for the length of every call. Compiled segments reach the same collective without
+Python: ``numatp::socket_all_reduce`` (``ops.cpp``) runs it for the socket its worker entered
+(:meth:`SocketComm.enter`). Its OpenMP loops run on the calling worker's own team (torch's OpenMP runtime, already loaded, is
 the one the library binds to), so a socket reduces with its own pinned threads.
 
 An all-reduce reads the peers' partial sums in place (the sockets share one address space): below
@@ -15,22 +17,23 @@ never arrived.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from numatp.runtime.native import build
+from numatp.runtime.native import library_path
 
-__all__ = ["FUSED_BYTES", "CollectiveTimeout", "CommAborted", "SocketComm", "library"]
+__all__ = ["FUSED_BYTES", "CollectiveTimeout", "CommAborted", "SocketComm", "library", "rehearsal"]
 
 FUSED_BYTES = 32 << 10
 """At or below this many bytes an all-reduce sums every partial on every socket (one barrier fewer);
 above, reduce-scatter + all-gather."""
 
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_SOCKETS = 64   # kMaxRanks in collective.cpp
 _lock = threading.Lock()
@@ -54,7 +57,7 @@ def library() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            _lib = _load(build("collective.cpp", _FLAGS))
+            _lib = _load(library_path())
         return _lib
 
 
@@ -69,7 +72,25 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.numatp_barrier.restype = ctypes.c_int
     lib.numatp_all_reduce.argtypes = [vp, ctypes.c_int, vp, vp, i64, ctypes.c_int, i64, ctypes.c_double, u64p]
     lib.numatp_all_reduce.restype = ctypes.c_int
+    lib.numatp_socket_enter.argtypes = [vp, ctypes.c_int, ctypes.c_double, i64, ctypes.c_int]
+    lib.numatp_socket_enter.restype = None
+    lib.numatp_socket_leave.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.POINTER(i64), u64p]
+    lib.numatp_socket_leave.restype = ctypes.c_int
+    lib.numatp_socket_rehearse.argtypes, lib.numatp_socket_rehearse.restype = [], None
     return lib
+
+
+@contextlib.contextmanager
+def rehearsal() -> Iterator[None]:
+    """On the calling thread, alone: each ``numatp::socket_all_reduce`` returns a copy of its partial. For a
+    warm-up run of a socket's program, whose values are not used."""
+    lib = library()
+    lib.numatp_socket_rehearse()
+    try:
+        yield
+    finally:
+        lib.numatp_socket_leave(ctypes.byref(ctypes.c_double()), ctypes.byref(ctypes.c_int64()),
+                                ctypes.byref(ctypes.c_uint64()))
 
 
 class SocketComm:
@@ -110,6 +131,19 @@ class SocketComm:
                                          _DTYPES[src.dtype], self.fused_bytes, self.timeout, ctypes.byref(missing))
         self._check(rc, rank, missing, "an all-reduce")
         return out
+
+    def enter(self, rank: int, node: int | None = None) -> None:
+        """Make the calling thread socket ``rank`` of this collective for ``numatp::socket_all_reduce`` (the op
+        compiled segments call), its results on ``node`` (None: torch's allocator), until :meth:`leave`."""
+        self._lib.numatp_socket_enter(self._comm, rank, self.timeout, self.fused_bytes, -1 if node is None else node)
+
+    def leave(self, rank: int) -> tuple[float, int]:
+        """End :meth:`enter` on the calling thread: (seconds spent in ``numatp::socket_all_reduce``, reductions
+        completed); raises :class:`CommAborted` or :class:`CollectiveTimeout` if one of them failed."""
+        seconds, count, missing = ctypes.c_double(0), ctypes.c_int64(0), ctypes.c_uint64(0)
+        rc = self._lib.numatp_socket_leave(ctypes.byref(seconds), ctypes.byref(count), ctypes.byref(missing))
+        self._check(rc, rank, missing, "an all-reduce")
+        return seconds.value, count.value
 
     def barrier(self, rank: int) -> None:
         missing = ctypes.c_uint64(0)

@@ -1,16 +1,18 @@
 """Run the per-socket programs on a socket group: compiled segments, all-reduces between them.
 
 Contract. ``build`` takes each socket's local program and arguments: it applies the GEMM rewrite,
-strips the collectives when there is one socket, turns single-query attention (a decode step) into
-fused reductions (:mod:`numatp.plan.attention_pass`), splits and compiles, and records per step what to free
+turns single-query attention (a decode step) into fused reductions (:mod:`numatp.plan.attention_pass`),
+splits (:func:`~numatp.runtime.segments.split_program`: most reductions inside the segments, one cut per
+layer) and compiles, and records per step what to free
 (``SocketProgram.finish``). ``run`` guarantees socket 0's outputs, every socket having performed the same
 collectives; an exception in any socket reaches the caller (its peers stop waiting), and a socket
 missing past the group's timeout is named. ``src/numatp/runtime/README.md`` walks one call end to end.
 
 Each worker runs its socket's segments on its own weight shards. An all-reduce hands the worker's
 partial sum to the group's collective (:mod:`numatp.runtime.collective`: C++, no GIL, reduce-scatter +
-all-gather over the partials in place), which returns the total in a tensor the worker allocates, i.e. in
-its own node's memory; every socket holds the same bits. The partial is dropped as the call returns, so a
+all-gather over the partials in place), from a compiled segment (``numatp::socket_all_reduce``, for the
+socket the worker entered) or as a step of its own, and gets the total in a new tensor on its own node;
+every socket holds the same bits. The partial is dropped as the call returns, so a
 call holds at most the partials of the reduction in progress; a value is dropped from a worker's
 environment after its last use. ``performed`` counts the collectives the workers completed, per kind,
 over all calls. Per socket, ``sync_seconds`` adds up the time spent in all-reduces (waiting for the
@@ -20,6 +22,7 @@ copy into the full tensor, whose fresh pages fault in as it is written, included
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,8 +31,8 @@ import torch
 import torch.fx
 
 from numatp.plan.attention_pass import fuse_single_query_attention
-from numatp.plan.ops import COLLECTIVES
 from numatp.plan.reference import place
+from numatp.runtime.collective import rehearsal
 from numatp.runtime.gemm import GemmStep, stand_in
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import Collective, Segment, SegmentCompiler, split_program
@@ -37,18 +40,7 @@ from numatp.runtime.segments import Collective, Segment, SegmentCompiler, split_
 if TYPE_CHECKING:   # the GEMM rewrite is a graph pass (numatp.plan); the executor only calls it
     from numatp.plan.gemm_pass import GemmChoice, GemmSelector
 
-__all__ = ["SocketProgram", "ShardedExecutor", "strip_collectives"]
-
-
-def strip_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """With one socket every collective is the identity: remove them so the program is one segment."""
-    for n in list(gm.graph.nodes):
-        if n.target in COLLECTIVES:
-            n.replace_all_uses_with(n.args[0])
-            gm.graph.erase_node(n)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+__all__ = ["SocketProgram", "ShardedExecutor"]
 
 
 @dataclass
@@ -86,6 +78,9 @@ class ShardedExecutor:
         self.swaps: list[dict[int, tuple]] = []
         self.gemm_choices: list[GemmChoice] = []   # per rank, the providers this executor's programs got
         self.performed = {"all_reduce": 0, "all_gather": 0}   # collectives completed by every socket
+        # most all-reduces run inside the compiled segments (numatp::socket_all_reduce, see split_program),
+        # where the C++ collective sums them: no return to Python, no GIL, between a kernel and its reduction
+        self.inline_reductions = group.size > 1
 
     def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]],
               weights: list[set[int]] | None = None) -> None:
@@ -98,10 +93,8 @@ class ShardedExecutor:
             local_gms, local_args, self.swaps = self.gemm.apply(self.group, local_gms, local_args, weights)
             self.gemm_choices = list(self.gemm.choices)
         for rank, (gm, args) in enumerate(zip(local_gms, local_args)):
-            if self.group.size == 1:
-                gm = strip_collectives(gm)
             fuse_single_query_attention(gm)
-            placeholders, steps, outs = split_program(gm, [stand_in(a) for a in args])
+            placeholders, steps, outs = split_program(gm, [stand_in(a) for a in args], sockets=self.group.size)
             threads = len(self.group.topology.sockets[rank].cpus)
             for s in steps:
                 if isinstance(s, Segment):
@@ -112,16 +105,18 @@ class ShardedExecutor:
             self.programs.append(prog)
 
     def warm(self, local_args: list[list[Any]]) -> None:
-        """One call on the main thread per socket program, so that concurrent calls find everything loaded."""
-        for prog, args in zip(self.programs, local_args):
-            env = dict(zip(prog.placeholders, args))
-            for step in prog.steps:
-                if isinstance(step, Segment):
-                    env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
-                elif isinstance(step, GemmStep):
-                    env[step.dst] = step(env)
-                else:
-                    env[step.dst] = env[step.src]  # shapes only: values are not used
+        """One call on the main thread per socket program, so that concurrent calls find everything loaded.
+        Shapes only: a collective passes its input on (inside compiled segments too), values are not used."""
+        with rehearsal() if self.inline_reductions else contextlib.nullcontext():
+            for prog, args in zip(self.programs, local_args):
+                env = dict(zip(prog.placeholders, args))
+                for step in prog.steps:
+                    if isinstance(step, Segment):
+                        env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
+                    elif isinstance(step, GemmStep):
+                        env[step.dst] = step(env)
+                    else:
+                        env[step.dst] = env[step.src]
 
     def run(self, local_args: list[list[Any]]) -> list[Any]:
         size = self.group.size
@@ -135,7 +130,7 @@ class ShardedExecutor:
         performed = self.performed
         group = self.group
 
-        def work(rank: int) -> list[Any]:
+        def steps(rank: int) -> list[Any]:
             prog = self.programs[rank]
             env = dict(zip(prog.placeholders, local_args[rank]))
             for step, frees in zip(prog.steps, prog.frees):
@@ -145,7 +140,9 @@ class ShardedExecutor:
                     env[step.dst] = step(env)
                 else:
                     t0 = time.perf_counter()
-                    if step.kind == "all_reduce":
+                    if size == 1:   # a cut between layers (split_program): the sum over one socket
+                        env[step.dst] = env[step.src]
+                    elif step.kind == "all_reduce":
                         env[step.dst] = group.all_reduce(rank, env[step.src])
                         if rank == 0:   # every socket returned from the collective with the same total
                             performed["all_reduce"] += 1
@@ -168,6 +165,16 @@ class ShardedExecutor:
                 for k in frees:
                     env.pop(k, None)
             return [env[o] if isinstance(o, str) else o[1] for o in prog.outputs]
+
+        def work(rank: int) -> list[Any]:
+            if not self.inline_reductions:
+                return steps(rank)
+            with group.compiled_collectives(rank) as done:   # the reductions inside compiled segments
+                out = steps(rank)
+            sync[rank] += done[0]
+            if rank == 0:
+                performed["all_reduce"] += done[1]
+            return out
 
         results = self.group.run(work)
         # a second barrier is not needed: slots are per tag and per call, and run() joins every worker

@@ -400,7 +400,7 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str
 GEMM_OP = torch.ops.numatp.gemm.default
 
 NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2}
-"""Providers that ``numatp::linear`` (``gemm_ops.cpp``) runs in C++, by its provider code: a segment
+"""Providers that ``numatp::linear`` (``ops.cpp``) runs in C++, by its provider code: a segment
 calls them without leaving compiled code. The others (``inductor_cpp``) stay a cut of the program."""
 
 

@@ -211,6 +211,21 @@ class SocketGroup:
         slots[rank] = None
         return total
 
+    @contextlib.contextmanager
+    def compiled_collectives(self, rank: int) -> Iterator[list]:
+        """Inside ``run``: the calling worker is socket ``rank`` for ``numatp::socket_all_reduce``, the op compiled
+        segments call. Yields ``[seconds, count]``, filled on exit with the time spent in those
+        reductions and how many completed. A reduction that failed because a peer failed raises
+        :class:`GroupAborted` here (its error from compiled code chained), one that timed out
+        :class:`~numatp.runtime.collective.CollectiveTimeout`, as the Python collectives do."""
+        comm = self.comm
+        comm.enter(rank, self.topology.sockets[rank].node if self._shared.bind else None)
+        stats: list = [0.0, 0]
+        try:
+            yield stats
+        finally:
+            stats[:] = self._collective(comm.leave, rank)
+
     def _collective(self, op: Callable, rank: int, *args: Any) -> Any:
         try:
             return op(rank, *args)

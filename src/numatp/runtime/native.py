@@ -1,11 +1,14 @@
-"""numatp's C++ parts, compiled on first use with the compiler torch.compile's C++ backend uses.
+"""numatp's C++ library, compiled on first use with the compiler torch.compile's C++ backend uses.
 
-Two sources ship beside this file: ``collective.cpp`` (the sockets' barrier and all-reduce, a plain
-shared library loaded with ``ctypes``) and ``gemm_ops.cpp`` (``numatp::linear``, the GEMM providers as a
-dispatcher op that compiled segments call without the GIL, linked against torch and loaded with
-``torch.ops.load_library``). Each is built once into ``~/.cache/numatp/ext/``, keyed by its source, the
-compiler, the flags, this CPU and the torch build, so a new CPU or torch builds again; a build writes a
-temporary file renamed into place, so processes building at once never load half a library.
+Two sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
+all-reduce, plain C functions that :mod:`numatp.runtime.collective` calls through ``ctypes``) and
+``ops.cpp`` (dispatcher ops that compiled segments call from their C++ wrapper without the GIL:
+``numatp::linear``, the GEMM providers, and ``numatp::socket_all_reduce``, the collective itself). It is built
+with torch's headers, ABI and libraries (as torch's own C++ extensions are) into
+``~/.cache/numatp/ext/``, keyed by the sources, the compiler, the flags, this CPU and the torch build, so
+a new CPU or torch builds again (about 10 s); a build writes a temporary file renamed into place, so
+processes building at once never load half a library. ``ctypes`` and ``torch.ops.load_library`` open the
+same file, hence the same code and the same per-thread state.
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ import torch
 
 from numatp._cache import cache_dir
 
-__all__ = ["compiler", "build", "load_gemm_ops"]
+__all__ = ["compiler", "build", "library_path", "load_ops"]
 
 _HERE = Path(__file__).parent
+SOURCES = ("collective.cpp", "ops.cpp")
 _lock = threading.Lock()
-_gemm_ops_loaded = False
+_path: Path | None = None
+_ops_loaded = False
 
 
 def compiler() -> str:
@@ -44,52 +49,67 @@ def compiler() -> str:
                        "install one (Debian/Ubuntu: apt-get install g++) or point $CXX at it")
 
 
-def build(source: str, flags: tuple[str, ...], libs: tuple[str, ...] = ()) -> Path:
-    """The shared library compiled from ``source`` (a file beside this module) with ``flags``, linked
-    with ``libs`` (which follow the source on the command line)."""
+def build(sources: tuple[str, ...] = SOURCES) -> Path:
+    """The shared library compiled from ``sources`` (files beside this module)."""
     from numatp.runtime.gemm import cpu_signature
 
-    src = _HERE / source
+    srcs = [_HERE / s for s in sources]
     cxx = compiler()
+    flags, libs = _flags()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(src.read_bytes() + repr((cxx, version, flags, libs, cpu_signature())).encode())
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in srcs)
+                         + repr((cxx, version, flags, libs, cpu_signature())).encode())
     folder = cache_dir() / "ext"
-    target = folder / f"{src.stem}-{key.hexdigest()[:16]}.so"
+    target = folder / f"numatp-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
-    proc = subprocess.run([cxx, *flags, str(src), "-o", tmp, *libs], capture_output=True, text=True)
+    proc = subprocess.run([cxx, *flags, *map(str, srcs), "-o", tmp, *libs], capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"numatp: compiling {src.name} with {cxx} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"numatp: compiling {', '.join(sources)} with {cxx} failed:\n{proc.stderr[-4000:]}")
     os.replace(tmp, target)   # atomic: another process building the same key at once finds a whole file
     return target
 
 
-def _with_torch() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Compiler flags and libraries for a source that includes torch's headers (as torch's own C++
-    extensions are built: its include folders, its C++ standard and ABI, linked to libc10/libtorch_cpu)."""
+def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Compiler flags and libraries: optimised for this CPU, OpenMP (torch's runtime, already loaded),
+    torch's include folders, C++ standard and ABI, linked to libc10 and libtorch_cpu."""
     from torch.utils.cpp_extension import include_paths
 
     lib = Path(torch.__file__).parent / "lib"
-    flags = ("-O2", "-shared", "-fPIC", "-std=c++20",
+    flags = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
              *(f"-isystem{p}" for p in include_paths()))
     return flags, (f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu")
 
 
-def load_gemm_ops() -> None:
-    """Register ``numatp::linear`` (built on first use, a few seconds) and its shape function."""
-    global _gemm_ops_loaded
+def library_path() -> Path:
+    """The library, built once per process (and once per sources, compiler and CPU on disk)."""
+    global _path
     with _lock:
-        if _gemm_ops_loaded:
+        if _path is None:
+            _path = build()
+        return _path
+
+
+def load_ops() -> None:
+    """Register ``numatp::linear`` and ``numatp::socket_all_reduce`` with torch, and their shape functions."""
+    global _ops_loaded
+    path = library_path()
+    with _lock:
+        if _ops_loaded:
             return
-        torch.ops.load_library(str(build("gemm_ops.cpp", *_with_torch())))
+        torch.ops.load_library(str(path))
 
         @torch.library.register_fake("numatp::linear")
         def _(x, w, bias, provider, n, k):
             return x.new_empty((x.shape[0], n))
 
-        _gemm_ops_loaded = True
+        @torch.library.register_fake("numatp::socket_all_reduce")
+        def _(x, after):
+            return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(1)
+
+        _ops_loaded = True

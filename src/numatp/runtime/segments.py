@@ -1,12 +1,15 @@
-"""Cut a socket program at its collectives into segments, and compile each distinct one once.
+"""Cut a socket program into segments, and compile each distinct one once.
 
-A program is cut at every ``numatp::all_reduce`` / ``all_gather`` (two reductions per transformer layer):
-the pieces in between are segments. A ``numatp::gemm`` the GEMM rewrite put in (a weight matmul run by
-its measured provider) stays inside its segment as ``numatp::linear``, the provider's C++ op, which the
-compiled segment calls from its C++ wrapper without the GIL (:mod:`numatp.runtime.native`); only a
-provider that is itself a Python callable (``inductor_cpp``) cuts the program, as a GEMM step. Layers of the same shape give segments with the same code: canonical names make
-them compare equal, and one Inductor compilation serves every layer and every socket with the same
-local shapes.
+Two kinds of nodes stay inside segments as C++ dispatcher ops (``ops.cpp``, built by
+:mod:`numatp.runtime.native`), which a segment compiled with ``cpp_wrapper`` calls from its C++ without
+the GIL: a ``numatp::gemm`` whose provider has a C++ kernel becomes ``numatp::linear``, and all-reduces
+but one per :data:`REDUCTIONS_PER_SEGMENT` become ``numatp::socket_all_reduce``. The program is cut at
+what is left: the first all-reduce (the sockets' programs differ before it, by the vocabulary-parallel
+lookup's row range), one all-reduce per layer after it, all-gathers, and a provider that is a Python
+callable (``inductor_cpp``). So each layer is one segment: a socket returns to Python once per layer, and
+since the layers' segments have the same code (canonical names make them compare equal), one Inductor
+compilation serves every layer and every socket with the same local shapes. With one socket the cuts
+stay (as the identity) and the other collectives go.
 
 Contract. Takes: a local program (after the GEMM rewrite) and arguments of its local shapes.
 Guarantees: the steps, run in order over one environment, compute what the program computes; each
@@ -16,6 +19,7 @@ segment's inputs and outputs are named values of that environment. Refuses: noth
 from __future__ import annotations
 
 import hashlib
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +31,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.plan.ops import COLLECTIVES
 from numatp.runtime.gemm import GEMM_OP, NATIVE, GemmStep
-from numatp.runtime.native import load_gemm_ops
+from numatp.runtime.native import load_ops
 
 __all__ = ["Segment", "Collective", "split_program", "SegmentCompiler"]
 
@@ -52,12 +56,15 @@ class Collective:
     sets: Any = None
 
 
-def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[list[str], list, list[Any]]:
-    """(placeholder keys, steps, output spec) of a socket program; steps are Segment, Collective or GemmStep."""
+def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
+                  sockets: int) -> tuple[list[str], list, list[Any]]:
+    """(placeholder keys, steps, output spec) of a socket program of a group of ``sockets``; steps are
+    Segment, Collective or GemmStep. ``gm`` is rewritten in place."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(t) if isinstance(t, torch.Tensor) else t
                                           for t in example_inputs])
     _native_gemms(gm)
+    _place_reductions(gm, sockets)
     nodes = list(gm.graph.nodes)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
@@ -100,7 +107,7 @@ def _native_gemms(gm: torch.fx.GraphModule) -> None:
     sites = [n for n in gm.graph.nodes if n.target is GEMM_OP and n.args[3] in NATIVE]
     if not sites:
         return
-    load_gemm_ops()
+    load_ops()
     for n in sites:
         x, w, b, provider, layout = n.args
         val = n.meta["val"]
@@ -110,6 +117,50 @@ def _native_gemms(gm: torch.fx.GraphModule) -> None:
         new.meta = dict(n.meta)
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
+REDUCTIONS_PER_SEGMENT = 2
+"""After the first, every this-many-th all-reduce stays a cut and the others run inside the segments.
+Transformer layers have 2 reductions each, so every layer is one segment of the same code, compiled once
+(measured, gpt2-medium: a whole program as one segment took 73 s to compile instead of 17 s)."""
+
+
+def _place_reductions(gm: torch.fx.GraphModule, sockets: int) -> None:
+    """Decide where each collective runs. The first all-reduce and every :data:`REDUCTIONS_PER_SEGMENT`-th
+    after it stay cuts of the program; the others become ``numatp::socket_all_reduce`` in place, each
+    chained to the one before. With one socket the inline ones and the all-gathers are dropped (a sum
+    over one socket is its input) and the cuts are kept, as the identity, so that the layers stay
+    segments of the same code.
+
+    The first stays a cut because the sockets' programs differ before it (a vocabulary-parallel lookup's
+    row range is a constant of its segment) and are the same code after it wherever the sockets' shapes
+    are. The chain (each reduction reads the one-element token the one before returned) keeps the reductions in
+    program order on every socket, whatever the compiler schedules between them. A dtype
+    the C++ collective does not sum stays a cut.
+    """
+    reductions = [n for n in gm.graph.nodes if n.target is COLLECTIVES[0]]
+    inline = [n for i, n in enumerate(reductions) if i % REDUCTIONS_PER_SEGMENT
+              and (sockets == 1 or n.meta["val"].dtype in (torch.float32, torch.bfloat16))]
+    if sockets == 1:
+        gathers = [n for n in gm.graph.nodes if n.target in COLLECTIVES[1:]]
+        for n in inline + gathers:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+    elif inline:
+        load_ops()
+        token = None
+        for n in inline:
+            with gm.graph.inserting_before(n):
+                call = gm.graph.call_function(torch.ops.numatp.socket_all_reduce.default, (n.args[0], token))
+                total = gm.graph.call_function(operator.getitem, (call, 0))
+                token = gm.graph.call_function(operator.getitem, (call, 1))
+            total.meta = dict(n.meta)
+            token.meta["val"] = n.meta["val"].new_empty(1)   # a segment's inputs are made from these
+            call.meta["val"] = (total.meta["val"], token.meta["val"])
+            n.replace_all_uses_with(total)
+            gm.graph.erase_node(n)
     gm.graph.lint()
     gm.recompile()
 
@@ -136,7 +187,10 @@ def _segment(gm, body: list[torch.fx.Node], end: int, last_use: dict[str, int], 
     g.output(tuple(env[o] for o in outs))
     seg_gm = torch.fx.GraphModule(gm, g)
     seg = Segment(seg_gm, [a.name for a in inputs], [o.name for o in outs])
-    seg.example = [_example(a.meta.get("val")) for a in inputs]
+    missing = [a.name for a in inputs if a.meta.get("val") is None]
+    if missing:   # the compiler would drop such an input and read the next one in its place
+        raise AssertionError(f"numatp: segment inputs {missing} have no example value")
+    seg.example = [_example(a.meta["val"]) for a in inputs]
     return seg
 
 
