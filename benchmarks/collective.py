@@ -1,9 +1,12 @@
 """The cost of one all-reduce between virtual sockets, per size, against memory bandwidth.
 
 For each socket count and size (1 KiB to 64 MiB by default) the socket workers of a group run the
-reduction back to back; the median time of one reduction is printed for numatp's C++ collective and
-for the Python reduction it replaced (each socket posts its partial in a list, waits on a
-``threading.Barrier``, then sums all partials with torch), with the bandwidth the C++ time implies
+reduction back to back; the median time of one reduction is printed for numatp's C++ collective called
+from Python (a cut of a socket's program), for the same collective inside compiled code
+(``numatp::socket_all_reduce``: ``--chain`` reductions in a row in one segment compiled by Inductor with
+``cpp_wrapper``, as a layer runs them, timed per call and divided by the chain), and for the Python
+reduction the collective replaced (each socket posts its partial in a list, waits on a
+``threading.Barrier``, then sums all partials with torch), with the bandwidth the compiled time implies
 (tensor bytes / time) and the target of the runtime issue: 10 us (2 sockets; 20 us from 8) plus the
 tensor's bytes at this machine's memory bandwidth, taken from a copy of the same size on one socket.
 One JSON line per row with ``--json``.
@@ -43,6 +46,30 @@ def _median_us(group, fn, iters: int) -> float:
     return 1e6 * statistics.median(max(ts) for ts in zip(*per_rank))
 
 
+def _chain(numel: int, dtype, k: int):
+    """A segment of ``k`` reductions, each of the one before's total, compiled as numatp compiles one."""
+    import operator
+
+    import torch
+    from torch._inductor.compile_fx import compile_fx
+
+    from numatp.runtime.native import load_ops
+
+    load_ops()
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    token = None
+    for _ in range(k):
+        call = g.call_function(torch.ops.numatp.socket_all_reduce.default, (x, token))
+        x = g.call_function(operator.getitem, (call, 0))
+        token = g.call_function(operator.getitem, (call, 1))
+    g.output((x,))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    with torch.no_grad():
+        return compile_fx(gm, [torch.zeros(numel, dtype=dtype)],
+                          config_patches={"cpp_wrapper": True, "cpp.threads": 1, "size_asserts": False})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,6 +78,7 @@ def main() -> None:
                     help="tensor sizes in bytes, with K/M suffixes (default 1K ... 64M)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--iters", type=int, default=30, help="timed reductions per size (default 30)")
+    ap.add_argument("--chain", type=int, default=24, help="reductions per compiled call (default 24)")
     ap.add_argument("--json", action="store_true", help="one JSON object per row instead of a table")
     args = ap.parse_args()
 
@@ -62,8 +90,8 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     cpus = len(os.sched_getaffinity(0))
     if not args.json:
-        print(f"{'sockets':>7} {'bytes':>10} {'C++ us':>9} {'Python us':>10} {'C++ GB/s':>9} "
-              f"{'copy GB/s':>9} {'target us':>9} {'meets':>5}")
+        print(f"{'sockets':>7} {'bytes':>10} {'C++ us':>9} {'compiled us':>11} {'Python us':>10} "
+              f"{'compiled GB/s':>13} {'copy GB/s':>9} {'target us':>9} {'meets':>5}")
     for n in args.sockets:
         if n > cpus:
             raise SystemExit(f"--sockets {n}: this machine has {cpus} CPUs; virtual sockets need one CPU each")
@@ -86,21 +114,28 @@ def main() -> None:
                     for p in slots[2:]:
                         total += p
 
+                chain = _chain(numel, dtype, args.chain)
+
+                def compiled(rank: int) -> None:
+                    with group.compiled_collectives(rank):
+                        chain(parts[rank])
+
                 c_us = _median_us(group, cpp, args.iters)
+                k_us = _median_us(group, compiled, max(3, args.iters // 4)) / args.chain
                 p_us = _median_us(group, python, args.iters)
                 src, dst = torch.randn(numel).to(dtype), torch.empty(numel, dtype=dtype)
                 copy_us = _median_us(one, lambda r: dst.copy_(src), args.iters)
                 real = numel * src.element_size()
                 copy_gbs = 2 * real / copy_us / 1e3          # read + write
                 target = (10 if n < 8 else 20) + 2 * real / copy_gbs / 1e3
-                row = {"sockets": n, "bytes": real, "dtype": args.dtype, "cpp_us": c_us, "python_us": p_us,
-                       "cpp_gbs": real / c_us / 1e3, "copy_gbs": copy_gbs, "target_us": target,
-                       "meets": c_us <= target}
+                row = {"sockets": n, "bytes": real, "dtype": args.dtype, "cpp_us": c_us, "compiled_us": k_us,
+                       "python_us": p_us, "compiled_gbs": real / k_us / 1e3, "copy_gbs": copy_gbs,
+                       "target_us": target, "meets": k_us <= target}
                 if args.json:
                     print(json.dumps(row))
                 else:
-                    print(f"{n:>7} {real:>10} {c_us:>9.1f} {p_us:>10.1f} {row['cpp_gbs']:>9.2f} {copy_gbs:>9.2f} "
-                          f"{target:>9.1f} {'yes' if row['meets'] else 'no':>5}")
+                    print(f"{n:>7} {real:>10} {c_us:>9.1f} {k_us:>11.1f} {p_us:>10.1f} {row['compiled_gbs']:>13.2f} "
+                          f"{copy_gbs:>9.2f} {target:>9.1f} {'yes' if row['meets'] else 'no':>5}")
 
 
 if __name__ == "__main__":

@@ -83,17 +83,24 @@ def test_all_reduce_result_is_on_each_sockets_node(topology):
     from numatp.placement import pages_by_node
     from numatp.runtime import SocketGroup
 
+    # both ways in: from Python (a cut of the program) and numatp::socket_all_reduce (inside a segment)
+    from numatp.runtime.native import load_ops
+
+    load_ops()
     parts = [torch.full((64, 1024), float(r + 1)) for r in range(topology.num_sockets)]   # 256 KiB each
     with SocketGroup(topology) as group:
         def reduce(rank):
             out = group.all_reduce(rank, parts[rank])
-            return out, pages_by_node(out)
+            with group.compiled_collectives(rank):
+                op_out, _ = torch.ops.numatp.socket_all_reduce(parts[rank], None)
+            return [(t, pages_by_node(t)) for t in (out, op_out)]
 
         seen = group.run(reduce)
     total = sum(range(1, topology.num_sockets + 1))
-    for rank, (out, pages) in enumerate(seen):
-        assert torch.equal(out, torch.full((64, 1024), float(total)))
-        assert set(pages) == {topology.sockets[rank].node}, f"socket {rank}: pages {pages}"
+    for rank, results in enumerate(seen):
+        for out, pages in results:
+            assert torch.equal(out, torch.full((64, 1024), float(total)))
+            assert set(pages) == {topology.sockets[rank].node}, f"socket {rank}: pages {pages}"
 
 
 def test_grouped_query_attention_places_each_sockets_kv_heads_on_its_node(topology):
