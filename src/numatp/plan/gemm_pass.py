@@ -7,9 +7,10 @@ Before the programs are cut into segments, :meth:`GemmSelector.apply`
    the missing ones on the socket workers (pinned, all sockets at once, as they will run);
 3. keeps ``aten`` (the graph unchanged) unless another provider is faster by the margin; a weight whose
    uses do not all agree stays ``aten``;
-4. rewrites each chosen matmul to ``numatp::gemm(x, W, b, provider, layout)``, a cut point of the program
-   like a collective: the executor calls the provider there, outside Inductor, because packed weights
-   are opaque tensors Inductor cannot take as inputs;
+4. rewrites each chosen matmul to ``numatp::gemm(x, W, b, provider, layout)``; the split of the program
+   (:mod:`numatp.runtime.segments`) makes it ``numatp::linear``, the provider's C++ op, inside its
+   compiled segment (Inductor's own lowerings of the packed kernels want the weight as a graph constant,
+   which would compile every layer apart);
 5. prepares each weight's operand in its socket's worker, so a packed weight is allocated under that
    socket's memory binding; the caller swaps it for the plain shard (no second copy is kept).
 

@@ -4,8 +4,9 @@
 (:mod:`numatp.runtime.native`, ``-O3 -march=native -fopenmp``) and called through ``ctypes``, which
 releases the GIL for the length of every call. Compiled segments reach the same collective without
 Python: ``numatp::socket_all_reduce`` (``ops.cpp``) runs it for the socket its worker entered
-(:meth:`SocketComm.enter`). Its OpenMP loops run on the calling worker's own team (torch's OpenMP runtime, already loaded, is
-the one the library binds to), so a socket reduces with its own pinned threads.
+(:meth:`SocketComm.enter`). Its OpenMP loops run on the calling worker's own team (torch's OpenMP
+runtime, already loaded, is the one the library binds to), so a socket reduces with its own pinned
+threads.
 
 An all-reduce reads the peers' partial sums in place (the sockets share one address space): below
 :data:`FUSED_BYTES` every socket sums all partials after one barrier; above, each socket reduces its

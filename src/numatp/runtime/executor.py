@@ -1,23 +1,23 @@
 """Run the per-socket programs on a socket group: compiled segments, all-reduces between them.
 
-Contract. ``build`` takes each socket's local program and arguments: it applies the GEMM rewrite,
-turns single-query attention (a decode step) into fused reductions (:mod:`numatp.plan.attention_pass`),
-splits (:func:`~numatp.runtime.segments.split_program`: most reductions inside the segments, one cut per
-layer) and compiles, and records per step what to free
-(``SocketProgram.finish``). ``run`` guarantees socket 0's outputs, every socket having performed the same
-collectives; an exception in any socket reaches the caller (its peers stop waiting), and a socket
-missing past the group's timeout is named. ``src/numatp/runtime/README.md`` walks one call end to end.
+Contract. ``build`` takes each socket's local program and arguments: it applies the GEMM rewrite, turns
+single-query attention (a decode step) into fused reductions (:mod:`numatp.plan.attention_pass`), splits
+(:func:`~numatp.runtime.segments.split_program`: most reductions inside the segments, one cut per layer)
+and compiles, and records per step what to free (``SocketProgram.finish``). ``run`` guarantees socket
+0's outputs, every socket having performed the same collectives; an exception in any socket reaches the
+caller (its peers stop waiting), and a socket missing past the group's timeout is named.
+``src/numatp/runtime/README.md`` walks one call end to end.
 
 Each worker runs its socket's segments on its own weight shards. An all-reduce hands the worker's
 partial sum to the group's collective (:mod:`numatp.runtime.collective`: C++, no GIL, reduce-scatter +
 all-gather over the partials in place), from a compiled segment (``numatp::socket_all_reduce``, for the
 socket the worker entered) or as a step of its own, and gets the total in a new tensor on its own node;
-every socket holds the same bits. The partial is dropped as the call returns, so a
-call holds at most the partials of the reduction in progress; a value is dropped from a worker's
-environment after its last use. ``performed`` counts the collectives the workers completed, per kind,
-over all calls. Per socket, ``sync_seconds`` adds up the time spent in all-reduces (waiting for the
-slowest socket included) and ``gather_seconds`` the time spent gathering a column-sharded output (its
-copy into the full tensor, whose fresh pages fault in as it is written, included).
+every socket holds the same bits. The partial is dropped as the call returns, so a call holds at most
+the partials of the reduction in progress; a value is dropped from a worker's environment after its
+last use. ``performed`` counts the collectives the workers completed, per kind, over all calls. Per
+socket, ``sync_seconds`` adds up the time spent in all-reduces (waiting for the slowest socket
+included) and ``gather_seconds`` the time spent gathering a column-sharded output (its copy into the
+full tensor, whose fresh pages fault in as it is written, included).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ answers differ), so numatp measures them:
   it blocks and packs as a graph constant; compiling makes it slow to measure, so it runs only when
   ``GemmOptions.providers`` names it.
 
-Packed weights are opaque tensors (``layout=torch._mkldnn``), so a packed provider replaces the plain
-shard and runs outside Inductor (see :mod:`numatp.plan.gemm_pass`). Rates are GFLOP/s (``2 M K N``
+Packed weights are opaque tensors (``layout=torch._mkldnn``) or MKL's buffers: a packed provider replaces
+the plain shard, and compiled segments call it through ``numatp::linear`` (``ops.cpp``; see
+:mod:`numatp.plan.gemm_pass`). Rates are GFLOP/s (``2 M K N``
 per call), keyed by ``(dtype, M, K, N, layout, threads)`` in ``gemm-<cpu signature>.json``; the
 signature hashes the CPU's model and flags and the torch version, so another CPU re-measures.
 """
