@@ -14,5 +14,5 @@ from numatp.backend.entry import (CompiledModel, backend_of, compile, compiled_b
 from numatp.backend.options import AUTO_MEASURE, Options, resolve_topology
 
 __all__ = ["AUTO_MEASURE", "CompiledModel", "GEMM_DEFAULT", "NumaTPBackend", "Options", "backend_of", "close_call",
-           "compile", "compiled_by_numatp", "default_decider", "numatp_backend", "placement_report", "plans", "resolve_topology",
-           "runs_unsharded"]
+           "compile", "compiled_by_numatp", "default_decider", "numatp_backend", "placement_report", "plans",
+           "resolve_topology", "runs_unsharded"]

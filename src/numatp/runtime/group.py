@@ -213,8 +213,8 @@ class SocketGroup:
 
     @contextlib.contextmanager
     def compiled_collectives(self, rank: int) -> Iterator[list]:
-        """Inside ``run``: the calling worker is socket ``rank`` for ``numatp::socket_all_reduce``, the op compiled
-        segments call. Yields ``[seconds, count]``, filled on exit with the time spent in those
+        """Inside ``run``: the calling worker is socket ``rank`` for ``numatp::socket_all_reduce``, the op
+        compiled segments call. Yields ``[seconds, count]``, filled on exit with the time spent in those
         reductions and how many completed. A reduction that failed because a peer failed raises
         :class:`GroupAborted` here (its error from compiled code chained), one that timed out
         :class:`~numatp.runtime.collective.CollectiveTimeout`, as the Python collectives do."""

@@ -79,10 +79,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 // from a compiled segment's C++ wrapper runs the collective with that context, without the GIL and
 // without returning to Python. The result is a new tensor: on the socket's node where the group binds
 // memory (mmap + mbind before the first touch, since a worker's allocator may recycle another node's
-// pages), else from torch's allocator, and a one-element token. `after` is the previous all-reduce's token,
-// read by nothing: it makes the order of the reductions a data dependency, the same on every socket,
-// whatever order the compiler schedules independent work in, without keeping a result alive for it. A failed reduction records the collective's code (1: a peer
-// failed or the call was interrupted, 2: timed out, with the sockets that never arrived) for
+// pages), else from torch's allocator, and a one-element token. `after` is the previous all-reduce's
+// token, read by nothing: it makes the order of the reductions a data dependency, the same on every
+// socket, whatever order the compiler schedules independent work in, without keeping a result alive for
+// it. A failed reduction records the collective's code (1: a peer failed or the call was interrupted,
+// 2: timed out, with the sockets that never arrived) for
 // numatp_socket_leave, and throws.
 
 extern "C" int numatp_all_reduce(void* comm, int rank, const void* src, void* dst, std::int64_t numel, int dtype,
@@ -147,7 +148,8 @@ std::tuple<at::Tensor, at::Tensor> all_reduce(const at::Tensor& x, const std::op
       s.failed = rc;
       s.missing = missing;
     }
-    TORCH_CHECK(false, "numatp::socket_all_reduce: socket ", s.rank, rc == 1 ? ": a peer socket failed" : ": timed out");
+    TORCH_CHECK(false, "numatp::socket_all_reduce: socket ", s.rank,
+                rc == 1 ? ": a peer socket failed" : ": timed out");
   }
   ++s.count;
   return {out, at::empty({1}, x.options())};
