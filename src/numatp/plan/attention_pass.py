@@ -92,7 +92,7 @@ def _emit(g: torch.fx.Graph, q, k, v, mask, scale) -> torch.fx.Node:
     scores = call(aten.mul.Tensor, call(aten.sum.dim_IntList, call(aten.mul.Tensor, qg, kg), [-1]), scale)
     if mask is not None:
         mv = mask.meta["val"]
-        bm, hm = mv.shape[0], (mv.shape[1] if mv.dim() == 4 else 1)
+        bm, hm = mv.shape[0], mv.shape[1]
         # a mask broadcast over heads (hm == 1) or given per query head (hm == H)
         m = call(aten.view.default, mask, [bm, hk if hm == h else 1, group if hm == h else 1, s])
         scores = call(aten.add.Tensor, scores, fp32(m))

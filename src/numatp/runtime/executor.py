@@ -78,9 +78,13 @@ class ShardedExecutor:
         self.swaps: list[dict[int, tuple]] = []
         self.gemm_choices: list[GemmChoice] = []   # per rank, the providers this executor's programs got
         self.performed = {"all_reduce": 0, "all_gather": 0}   # collectives completed by every socket
-        # most all-reduces run inside the compiled segments (numatp::socket_all_reduce, see split_program),
-        # where the C++ collective sums them: no return to Python, no GIL, between a kernel and its reduction
-        self.inline_reductions = group.size > 1
+
+    @property
+    def inline_reductions(self) -> bool:
+        """Whether most all-reduces run inside the compiled segments (``numatp::socket_all_reduce``, see
+        ``split_program``), where the C++ collective sums them: no return to Python, no GIL, between a
+        kernel and its reduction. With one socket there is nothing to sum."""
+        return self.group.size > 1
 
     def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]],
               weights: list[set[int]] | None = None) -> None:
