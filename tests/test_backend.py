@@ -307,3 +307,29 @@ def test_keyboard_interrupt_leaves_the_group_usable():
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
         assert group.run(lambda r: r + 1) == [1, 2]
+
+
+def test_a_call_with_the_same_parameters_finds_its_variant_by_the_other_arguments(monkeypatch):
+    # the variant lookup checks the parameters by identity and keys the rest by shape; other parameter
+    # objects (same shapes) take the full lookup and find the same variant (several variants of one graph,
+    # under dynamic=True: tests/test_entry.py)
+    from numatp.backend.variants import CompiledGraph
+
+    calls = []
+    real = CompiledGraph.__call__
+    monkeypatch.setattr(CompiledGraph, "__call__", lambda self, *a: calls.append(a) or real(self, *a))
+    model = zoo.build("gpt2", tiny=True)
+    compiled = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    with torch.inference_mode():
+        first = compiled(**zoo.example_inputs(model, batch=1, seq=16)).logits
+        graph = backend_of(compiled).graphs[0]
+        params = sum(isinstance(a, torch.nn.Parameter) for a in calls[0])
+        assert params == len(list(model.parameters())) and len(graph._fast.others) == len(calls[0]) - params
+        assert torch.equal(compiled(**zoo.example_inputs(model, batch=1, seq=16)).logits, first)
+        assert len(calls) == 2 and len(graph.variants) == 1 and len(graph._fast.variants) == 1
+        args = list(calls[0])
+        i = next(i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter))
+        args[i] = torch.nn.Parameter(args[i].detach().clone(), requires_grad=False)
+        again = real(graph, *args)
+    assert len(graph.variants) == 1 and graph._fast.objects[0] is args[i]
+    assert torch.equal(again[0], first)

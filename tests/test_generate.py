@@ -212,3 +212,45 @@ def test_generate_refuses_what_it_cannot_do():
     bert = zoo.build("bert-small", tiny=True)
     with pytest.raises(ValueError, match="cannot generate"):
         numatp.generate(numatp.compile(bert, sockets=shared_cpu_topology(2), mode="eager"), ids)
+
+
+def test_decode_steps_skip_dynamos_guards_after_a_step_that_compiled_nothing(monkeypatch):
+    # from the fourth forward on, only the guards that tell the prompt from the decode step run; the
+    # tokens stay eager's, and the caller's stance is back after the generation
+    from torch._dynamo.eval_frame import _stance
+
+    fresh_dynamo()
+    model = _tiny("gpt2")
+    ids, mask = _prompt(model)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    entered = []
+    real = torch.compiler.set_stance
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: entered.append((a, k)) or real(*a, **k))
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+    assert entered == [(("default",), {"skip_guard_eval_unsafe": True})]
+    assert (_stance.stance, _stance.skip_guard_eval_unsafe) == ("default", False)
+    # a caller's own stance is left alone
+    entered.clear()
+    with real("eager_on_recompile"):
+        again = fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(again, expected) and entered == []
+
+
+def test_guards_keep_running_where_the_third_forward_compiled():
+    # a model that changes guarded state from step to step compiles at every step: every guard stays
+    gen = importlib.import_module("numatp.generate")
+    from torch._dynamo.utils import counters
+
+    skip = gen._GuardSkip()
+    with skip:
+        for step in range(6):
+            skip.step(step)
+            counters["frames"]["ok"] += 1   # this forward compiled a frame
+            assert skip._context is None
+    with gen._GuardSkip() as skip:
+        for step in range(6):
+            skip.step(step)
+            assert (skip._context is not None) == (step >= 3)
+    assert skip._context is None

@@ -134,30 +134,82 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
         t0 = time.perf_counter()
         decode_start = None
         token = None
-        for step in range(max_new_tokens):
-            if step == 1:
-                decode_start = time.perf_counter()
-            step_ids = ids if step == 0 else token[:, None]
-            step_pos = positions if step == 0 else positions[:, -1:] + step
-            out = compiled(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                           past_key_values=cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1, :].to(torch.float32)
-            for w in warp:
-                logits = w(None, logits)
-            if do_sample:
-                token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
-            else:
-                token = logits.argmax(-1)
-            token = torch.where(unfinished, token, torch.full_like(token, pad))
-            sequences.append(token[:, None])
-            if eos:
-                unfinished &= ~torch.isin(token, eos_t)
-                if not bool(unfinished.any()):
-                    break
+        with _GuardSkip() as guards:
+            for step in range(max_new_tokens):
+                if step == 1:
+                    decode_start = time.perf_counter()
+                guards.step(step)
+                step_ids = ids if step == 0 else token[:, None]
+                step_pos = positions if step == 0 else positions[:, -1:] + step
+                out = compiled(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                               past_key_values=cache, use_cache=True, logits_to_keep=1)
+                logits = out.logits[:, -1, :].to(torch.float32)
+                for w in warp:
+                    logits = w(None, logits)
+                if do_sample:
+                    token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+                else:
+                    token = logits.argmax(-1)
+                token = torch.where(unfinished, token, torch.full_like(token, pad))
+                sequences.append(token[:, None])
+                if eos:
+                    unfinished &= ~torch.isin(token, eos_t)
+                    if not bool(unfinished.any()):
+                        break
         end = time.perf_counter()
     first = (decode_start or end) - t0
     return Generation(torch.cat(sequences, 1), prompt, len(sequences) - 1, first,
                       end - decode_start if decode_start is not None else 0.0)
+
+
+class _GuardSkip:
+    """Dynamo's guards skipped from the fourth forward of a generation on (``torch.compiler.set_stance``
+    with ``skip_guard_eval_unsafe``), once the third ran under every guard and compiled nothing.
+
+    A decode step of gpt2-medium is checked against a few thousand guards (every module's attributes,
+    every parameter, the cache's tensors) before it runs: 0.8 ms of a 22 ms step on 2 sockets, measured.
+    The loop gives every decode step the same objects and shapes (only the token and positions change,
+    which Dynamo does not guard on), so after a decode step that passed every guard without compiling
+    left the guarded state as it found it, the next steps would pass them too; only the guards that tell
+    the compiled entries apart (the prompt from the decode step) still run. Where the third forward
+    compiled, the model changes what Dynamo guards from step to step (a Python counter, say), and every
+    guard keeps running. Left alone where the caller set a stance of their own."""
+
+    _SKIP_FROM = 3
+
+    def __init__(self) -> None:
+        self._context: Any = None
+        self._frames = None
+        try:
+            from torch._dynamo.eval_frame import _stance
+            from torch._dynamo.utils import counters
+        except ImportError:
+            self._usable = False
+            return
+        self._counters = counters
+        self._usable = getattr(_stance, "stance", None) == "default" and not getattr(
+            _stance, "skip_guard_eval_unsafe", True)
+
+    def _compiled(self) -> int:
+        return self._counters["frames"]["ok"]
+
+    def step(self, step: int) -> None:
+        """Call before forward ``step`` (0: the prompt)."""
+        if not self._usable:
+            return
+        if step == self._SKIP_FROM - 1:
+            self._frames = self._compiled()
+        elif step == self._SKIP_FROM and self._compiled() == self._frames:
+            self._context = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+            self._context.__enter__()
+
+    def __enter__(self) -> _GuardSkip:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+            self._context = None
 
 
 def static_cache(model: torch.nn.Module, batch: int, max_len: int, dtype: torch.dtype) -> Any:

@@ -32,31 +32,44 @@ class StateStore:
         self.topology = topology
         self.strict = strict
         self.place = not topology.is_virtual
-        self._made: dict[tuple, tuple[torch.Tensor, Placement]] = {}   # key -> (socket's copy, placement)
+        # key (id of the caller's tensor, layout code, rank) -> (socket's copy, placement); a layout code
+        # is a small int standing for a placement (0: replicated), so that a decode step's lookups hash
+        # ints, not placements
+        self._made: dict[tuple, tuple[torch.Tensor, Placement]] = {}
         self._sources: dict[int, weakref.ref] = {}
-        self._layouts: dict[int, Placement | None] = {}   # how each caller tensor is split (None: replicated)
+        self._layouts: dict[int, int] = {}   # how each caller tensor is split: its layout code
+        self._codes: dict[Placement, int] = {}
+        self._placements: list[Placement | None] = [None]   # code -> placement (None: replicated)
 
-    @staticmethod
-    def _key(user: torch.Tensor, b: Binding, rank: int) -> tuple:
-        p = b.placement
-        return (id(user), None if isinstance(p, Replicate) else p, rank)
+    def code(self, placement: Placement) -> int:
+        """The layout code of ``placement`` in this store (0 for ``Replicate``)."""
+        if isinstance(placement, Replicate):
+            return 0
+        code = self._codes.get(placement)
+        if code is None:
+            code = self._codes[placement] = len(self._placements)
+            self._placements.append(placement)
+        return code
 
-    def get(self, user: torch.Tensor, b: Binding, rank: int) -> torch.Tensor:
-        """Socket ``rank``'s copy of its part of ``user`` (made on first use from ``user``'s values)."""
-        key = self._key(user, b, rank)
-        made = self._made.get(key)
+    def get(self, user: torch.Tensor, b: Binding, rank: int, code: int | None = None) -> torch.Tensor:
+        """Socket ``rank``'s copy of its part of ``user`` (made on first use from ``user``'s values).
+        ``code``: ``self.code(b.placement)``, where the caller has it already."""
+        if code is None:
+            code = self.code(b.placement)
+        made = self._made.get((id(user), code, rank))
         if made is None:
             if id(user) not in self._sources:
                 self._sources[id(user)] = weakref.ref(user)
-                self._layouts[id(user)] = key[1]
+                self._layouts[id(user)] = code
                 weakref.finalize(user, self._forget, id(user))
-            elif self._layouts[id(user)] != key[1]:
+            elif self._layouts[id(user)] != code:
                 raise RuntimeError(
                     f"numatp: a state input of shape {tuple(user.shape)} (a KV cache tensor) is held "
-                    f"{_describe(self._layouts[id(user)])} by one compiled graph and {_describe(key[1])} by "
-                    "another (a prefill and a decode step of the same cache sharded differently); the "
-                    "sockets' copies would disagree. Compile with policy='never', or report the model")
-            made = self._made[key] = (self._copy(user, b.placement, rank), b.placement)
+                    f"{_describe(self._placements[self._layouts[id(user)]])} by one compiled graph and "
+                    f"{_describe(self._placements[code])} by another (a prefill and a decode step of the "
+                    "same cache sharded differently); the sockets' copies would disagree. Compile with "
+                    "policy='never', or report the model")
+            made = self._made[(id(user), code, rank)] = (self._copy(user, b.placement, rank), b.placement)
         return made[0]
 
     def _copy(self, user: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
@@ -66,10 +79,12 @@ class StateStore:
                 return numa_clone(part, self.topology.sockets[rank].node, strict=self.strict)
             return part.clone(memory_format=torch.contiguous_format)
 
-    def write_back(self, user: torch.Tensor, b: Binding) -> None:
-        """Copy socket 0's value of a replicated state into the caller's tensor."""
+    def write_back(self, users: list[torch.Tensor]) -> None:
+        """Copy socket 0's values of replicated states into the caller's tensors ``users`` (one
+        ``_foreach_copy_``: a decode step writes back a length per layer)."""
+        made = self._made
         with torch.no_grad():
-            user.copy_(self._made[self._key(user, b, 0)][0])
+            torch._foreach_copy_(users, [made[(id(u), 0, 0)][0] for u in users])
 
     def reload(self) -> None:
         """Copy the caller's values into every socket's copy of every state again."""

@@ -9,6 +9,7 @@ specialised to the concrete sizes of each call: one variant per input signature,
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -44,23 +45,25 @@ class Variant:
 
     def __post_init__(self) -> None:
         # replicated states (a cache's length) go back to the caller's tensor after each call
-        self.write_backs = [bd for bd in (self.bindings[0] if self.bindings else [])
-                            if bd.state and isinstance(bd.placement, Replicate)]
+        self._write_backs = [bd.index for bd in (self.bindings[0] if self.bindings else [])
+                             if bd.state and isinstance(bd.placement, Replicate)]
         # per socket, which positions take this call's inputs and which its states (a decode step is
-        # a few milliseconds: only those positions are filled per call)
+        # a few milliseconds: only those positions are filled per call, each state by its layout code)
         self._inputs = [[(i, bd.index) for i, bd in enumerate(b) if bd.placement is None] for b in self.bindings]
-        self._states = [[(i, bd) for i, bd in enumerate(b) if bd.state] for b in self.bindings]
+        self._states = [[(i, bd, self.states.code(bd.placement)) for i, bd in enumerate(b) if bd.state]
+                        for b in self.bindings] if self.states is not None else []
 
     def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
         """Each socket's program arguments: the weights made at build time, this call's activations, and
         the socket's copies of the states this call's inputs name."""
         out = []
+        get = self.states.get if self.states is not None else None
         for r, weights in enumerate(self.weights):
             local = list(weights)
             for i, src in self._inputs[r]:
                 local[i] = args[src]
-            for i, bd in self._states[r]:
-                local[i] = self.states.get(args[bd.index], bd, r)
+            for i, bd, code in self._states[r]:
+                local[i] = get(args[bd.index], bd, r, code)
             out.append(local)
         return out
 
@@ -68,9 +71,19 @@ class Variant:
         if self.baseline is not None:
             return self.baseline(*args)
         out = self.executor.run(self.local_args(args))
-        for bd in self.write_backs:
-            self.states.write_back(args[bd.index], bd)
+        if self._write_backs:
+            self.states.write_back([args[i] for i in self._write_backs])
         return out
+
+
+@dataclass
+class _Fast:
+    """The variants of one set of parameter objects, by the signature of the other arguments."""
+
+    fixed: Callable[[tuple], tuple]   # the parameters out of a call's arguments
+    objects: tuple                     # the parameters those variants were looked up with
+    others: list[int]                  # every other position
+    variants: dict[tuple, Variant]
 
 
 class CompiledGraph:
@@ -84,14 +97,43 @@ class CompiledGraph:
         # inputs whose value the graph reads with .item(): under dynamic shapes Dynamo lifts Python floats
         # (eps, dropout p, scaling) to 0-d tensor inputs; a variant is specialised to their values
         self.scalars = _item_inputs(gm)
+        self._fast: _Fast | None = None
 
     def __call__(self, *args: Any) -> Any:
-        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
-        if self.scalars:
-            key += tuple(args[i].item() for i in self.scalars)
+        fast = self._fast
+        if fast is not None and all(map(operator.is_, fast.fixed(args), fast.objects)):
+            variant = fast.variants.get(self._key(args, fast.others))
+            if variant is not None:
+                return variant(*args)
+        key = self._key(args, range(len(args)))
         with self._lock:
             variant = self.variants.get(key) or self._build(key, list(args))
+            self._remember(args, key, variant)
         return variant(*args)
+
+    def _key(self, args: tuple[Any, ...], positions: Any) -> tuple:
+        """The signature of ``args`` at ``positions``: shape and dtype of a tensor, anything else as is,
+        and the values the graph reads with ``.item()``."""
+        key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                    for a in map(args.__getitem__, positions))
+        if self.scalars:
+            key += tuple(args[i].item() for i in self.scalars)
+        return key
+
+    def _remember(self, args: tuple[Any, ...], key: tuple, variant: Variant) -> None:
+        """Let later calls with these parameters find ``variant`` by the signature of the other arguments.
+        A decode step passes every parameter of the model (hundreds): when they are the same objects as
+        here (Dynamo guards their shapes), checking that they are takes a fraction of keying them."""
+        fast = self._fast
+        if fast is None or not all(map(operator.is_, fast.fixed(args), fast.objects)):
+            fixed = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Parameter)]
+            if len(fixed) < 2:
+                return   # itemgetter of one position returns the object, not a tuple; nothing to gain
+            skip = set(fixed)
+            others = [i for i in range(len(args)) if i not in skip]
+            getter = operator.itemgetter(*fixed)
+            fast = self._fast = _Fast(getter, getter(args), others, {})
+        fast.variants[tuple(key[i] for i in fast.others) + key[len(args):]] = variant
 
     def _build(self, key: tuple, args: list[Any]) -> Variant:
         import time
