@@ -16,6 +16,7 @@ import torch
 import numatp
 from numatp import zoo
 from numatp.backend import backend_of
+from numatp.generate import PROMPT_BUCKET
 from numatp.runtime.segments import Segment
 from tests.helpers import fresh_dynamo, shared_cpu_topology
 from tests.test_families import LAYERS, _model
@@ -128,7 +129,8 @@ def test_each_socket_holds_only_its_kv_heads_and_the_callers_cache_is_not_writte
         assert all(t.abs().sum() > 0 for t in kv)   # written by the programs
     # the K/V stay on the sockets; the lengths come back to the caller's cache
     assert all(not layer.keys.any() for layer in cache.layers)
-    assert all(int(layer.cumulative_length) == ids.shape[1] + 3 for layer in cache.layers)
+    padded = -(-ids.shape[1] // PROMPT_BUCKET) * PROMPT_BUCKET   # the prompt as it ran, left-padded
+    assert all(int(layer.cumulative_length) == padded + 3 for layer in cache.layers)
 
 
 def test_sampling_follows_the_same_random_draws_as_eager():
@@ -254,3 +256,26 @@ def test_guards_keep_running_where_the_third_forward_compiled():
             skip.step(step)
             assert (skip._context is not None) == (step >= 3)
     assert skip._context is None
+
+
+def test_prompts_of_one_bucket_share_a_program_and_a_forward_past_dynamos_limit_is_an_error():
+    # prompts are left-padded to a multiple of prompt_bucket (the padding is not returned); where Dynamo
+    # stops compiling (its recompile limit) and runs the model eagerly, generate says so instead of
+    # reading stale per-socket caches
+    fresh_dynamo()
+    model = _tiny("gpt2")
+    fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    backend = backend_of(fast)
+    for length in (5, 9, 13):
+        ids, mask = _prompt(model, batch=1, length=length)
+        expected = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        got = fast.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, expected)
+    assert sum(len(g.variants) for g in backend.graphs) == 2   # one prompt program (32), one decode program
+    ids, mask = _prompt(model, batch=1, length=5)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        with pytest.raises(RuntimeError, match=r"the prompt \(5 tokens\).*ran without numatp.*recompile_limit"):
+            fast.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                          prompt_bucket=1)
+    with pytest.raises(ValueError, match="prompt_bucket=0"):
+        fast.generate(ids, prompt_bucket=0)

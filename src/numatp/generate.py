@@ -8,7 +8,8 @@ followed by the new tokens, as ``generate`` does.
 
 The cache is static (transformers' ``StaticCache`` layout: per layer, keys and values of shape
 ``(batch, kv_heads, max_len, head_dim)``), so the decode step has the same shapes at every token and
-compiles once per (batch, cache length); the prompt compiles once per length. The NUMA-TP pass splits
+compiles once per (batch, cache length); the prompt runs left-padded to a multiple of ``prompt_bucket``
+tokens and compiles once per bucket. The NUMA-TP pass splits
 each layer's cache like its K/V projection, and every socket keeps its heads' part in its own memory
 (:mod:`numatp.backend.states`), written in place by the decode program and never gathered. Sliding-
 window layers get a cache of the full length (the mask keeps the window), since transformers' sliding
@@ -31,7 +32,8 @@ from numatp.runtime.group import callers_threads
 
 __all__ = ["Generation", "generate", "generate_timed", "static_cache"]
 
-_CACHE_STEP = 64   # cache lengths are rounded up to a multiple: nearby prompt lengths share a decode program
+_CACHE_STEP = 64    # cache lengths are rounded up to a multiple: nearby prompt lengths share a decode program
+PROMPT_BUCKET = 32  # prompts are left-padded to a multiple: nearby prompt lengths share a prompt program
 
 
 @dataclass
@@ -62,16 +64,24 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                    temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                    eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                    generator: torch.Generator | None = None, max_cache_len: int | None = None,
-                   **unknown: Any) -> Generation:
+                   prompt_bucket: int = PROMPT_BUCKET, **unknown: Any) -> Generation:
     """Generate up to ``max_new_tokens`` after ``input_ids`` (batch, prompt) with ``compiled``.
 
     ``attention_mask`` (batch, prompt): 1 for tokens, 0 for left padding. Sampling draws from
-    ``generator`` where given. ``max_cache_len``: the static cache's length (default: prompt + new
-    tokens, rounded up to a multiple of 64). Options not listed here are refused by name.
+    ``generator`` where given. ``prompt_bucket``: the prompt runs left-padded (masked, as a tokenizer pads
+    a batch) to a multiple of this many tokens, so that prompts of nearby lengths run one compiled
+    program (1: as given); the padding is not returned. ``max_cache_len``: the static cache's length
+    (default: the padded prompt + new tokens, rounded up to a multiple of 64). Options not listed here
+    are refused by name.
+
+    Each prompt bucket and cache length is a shape of its own for Dynamo, which stops compiling a model
+    after ``torch._dynamo.config.recompile_limit`` of them and runs it eagerly; with numatp that would
+    read stale per-socket caches, so a forward that did not reach numatp is an error that says so.
     """
     if unknown:
         raise TypeError(f"numatp generate does not take {sorted(unknown)}; it takes max_new_tokens, do_sample, "
-                        "temperature, top_k, top_p, eos_token_id, pad_token_id, generator, max_cache_len "
+                        "temperature, top_k, top_p, eos_token_id, pad_token_id, generator, max_cache_len, "
+                        "prompt_bucket "
                         "(for other options, call the uncompiled model's generate)")
     model = getattr(compiled, "_orig_mod", compiled)
     config = getattr(model, "config", None)
@@ -104,11 +114,18 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     if bool((attention_mask[:, -1] == 0).any()):
         raise ValueError("attention_mask ends with 0 in some row: pad prompts on the left (tokenizer "
                          "padding_side='left'), as generation appends on the right")
+    if not isinstance(prompt_bucket, int) or prompt_bucket < 1:
+        raise ValueError(f"prompt_bucket={prompt_bucket!r}: must be an integer >= 1 (1 runs prompts as given)")
     need = prompt + max_new_tokens
-    length = max_cache_len if max_cache_len is not None else -(-need // _CACHE_STEP) * _CACHE_STEP
-    if length < need:
-        raise ValueError(f"max_cache_len={length}: the prompt ({prompt}) and max_new_tokens "
-                         f"({max_new_tokens}) need {need} positions")
+    padded = -(-prompt // prompt_bucket) * prompt_bucket
+    if max_cache_len is not None:
+        if max_cache_len < need:
+            raise ValueError(f"max_cache_len={max_cache_len}: the prompt ({prompt}) and max_new_tokens "
+                             f"({max_new_tokens}) need {need} positions")
+        padded = min(padded, max_cache_len - max_new_tokens)   # less padding where the cache is short
+        length = max_cache_len
+    else:
+        length = -(-(padded + max_new_tokens) // _CACHE_STEP) * _CACHE_STEP
     limit = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
     if limit is not None and need > limit:
         raise ValueError(f"prompt {prompt} + max_new_tokens {max_new_tokens} = {need} positions, beyond the "
@@ -120,14 +137,23 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     # parallel op here wakes this thread's OpenMP team, whose threads then spin for milliseconds on the
     # cores the socket workers compute on (measured: gpt2-medium bf16 decode on 2 virtual sockets, 26 ->
     # 18 ms a token). Another compiler's model computes on this thread: its thread count stays.
+    backend = None
+    if compiled_by_numatp(compiled):
+        from numatp.backend import backend_of
+        backend = backend_of(compiled)
     with torch.inference_mode(), callers_threads():
-        if compiled_by_numatp(compiled):
+        if backend is not None:
             torch.set_num_threads(1)
         cache = _reusable_cache(compiled, model, batch, length, dtype)
         ids = input_ids.clone()
+        run_ids, run_mask = ids, attention_mask
+        if padded > prompt:   # left padding, masked: the tokens' positions and outputs are the prompt's own
+            run_ids = torch.cat([ids.new_full((batch, padded - prompt), pad), ids], 1)
+            run_mask = torch.cat([attention_mask.new_zeros((batch, padded - prompt)), attention_mask], 1)
         mask = torch.ones(batch, length, dtype=torch.long)
-        mask[:, :prompt] = attention_mask
-        positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+        mask[:, :padded] = run_mask
+        positions = (run_mask.long().cumsum(-1) - 1).masked_fill(run_mask == 0, 0)
+        calls = backend.calls if backend is not None else 0
         unfinished = torch.ones(batch, dtype=torch.bool)
         eos_t = torch.tensor(eos, dtype=torch.long)
         sequences = [ids]
@@ -139,10 +165,14 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                 if step == 1:
                     decode_start = time.perf_counter()
                 guards.step(step)
-                step_ids = ids if step == 0 else token[:, None]
+                step_ids = run_ids if step == 0 else token[:, None]
                 step_pos = positions if step == 0 else positions[:, -1:] + step
                 out = compiled(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                past_key_values=cache, use_cache=True, logits_to_keep=1)
+                if backend is not None:
+                    if backend.calls == calls:
+                        raise RuntimeError(_not_through_numatp(step, prompt, padded, length))
+                    calls = backend.calls
                 logits = out.logits[:, -1, :].to(torch.float32)
                 for w in warp:
                     logits = w(None, logits)
@@ -160,6 +190,19 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     first = (decode_start or end) - t0
     return Generation(torch.cat(sequences, 1), prompt, len(sequences) - 1, first,
                       end - decode_start if decode_start is not None else 0.0)
+
+
+def _not_through_numatp(step: int, prompt: int, padded: int, length: int) -> str:
+    import torch._dynamo
+
+    tokens = f"{prompt} tokens" + (f", padded to {padded}" if padded > prompt else "")
+    what = f"the prompt ({tokens})" if step == 0 else f"decode step {step}"
+    limit = getattr(torch._dynamo.config, "recompile_limit", None)
+    return (f"numatp generate: {what}, with a cache of {length} positions, ran without numatp: Dynamo ran the "
+            "model eagerly, which would read stale per-socket caches. Dynamo compiles a model for at most "
+            f"torch._dynamo.config.recompile_limit ({limit}) shapes, and every prompt bucket and cache length "
+            "is one: pass the same max_cache_len to every generate, a larger prompt_bucket, or raise "
+            "torch._dynamo.config.recompile_limit")
 
 
 class _GuardSkip:

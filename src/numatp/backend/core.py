@@ -58,6 +58,7 @@ class NumaTPBackend:
         self.state_policy: str | None = None
         self.gemm = _gemm_selector(gemm)
         self.graphs: list[CompiledGraph] = []
+        self.calls = 0   # calls of its graphs: a forward that adds none did not run through numatp
         self._group: SocketGroup | None = None
         self._whole: tuple[SocketGroup, WeightStore, StateStore] | None = None
 

@@ -100,6 +100,7 @@ class CompiledGraph:
         self._fast: _Fast | None = None
 
     def __call__(self, *args: Any) -> Any:
+        self.backend.calls += 1
         fast = self._fast
         if fast is not None and all(map(operator.is_, fast.fixed(args), fast.objects)):
             variant = fast.variants.get(self._key(args, fast.others))
