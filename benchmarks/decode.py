@@ -9,8 +9,9 @@ after a random prompt of ``--prompt`` tokens, with no EOS. torch.compile runs th
 same in every mode. Reported per mode: time to first token and decode tokens/s (medians), numatp's
 decode against torch.compile's and 2 sockets against 1, and the share of the memory-bandwidth roofline
 numatp reaches: bytes per decode step (every weight once, plus the cached keys and values at the middle
-step's length) over the read bandwidth of ``numatp calibrate``'s profile, or measured here the same way
-(a sum over a 512 MiB buffer on all CPUs) when no profile is saved.
+step's length) over the read bandwidth of ``numatp calibrate``'s profile, or, when no profile is saved,
+measured here the same way (a sum over a 512 MiB buffer on all CPUs) in every round, the share being the
+median over rounds of each round's rate against that round's bandwidth.
 
     python benchmarks/decode.py --models gpt2 gpt2-medium --dtypes float32 bfloat16
 """
@@ -27,21 +28,23 @@ import time
 from _children import compiled_modes, run_children
 
 
-def _bandwidth_gbs() -> tuple[float, str]:
-    import torch
-
+def _profile_bandwidth() -> tuple[float, str] | None:
     from numatp.cost import default_profile_path, load_profile
 
     path = default_profile_path()
     if path.is_file():
         return load_profile(path).local_bw_gbs, f"numatp calibrate profile {path}"
-    buf = torch.ones(128 << 20)   # 512 MiB of fp32
+    return None
+
+
+def _probe(buf) -> float:
+    """GB/s of a sum over ``buf`` on all CPUs (best of 3)."""
     best = float("inf")
-    for _ in range(5):
+    for _ in range(3):
         t0 = time.perf_counter()
         buf.sum()
         best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best / 1e9, "measured here: a sum over 512 MiB on all CPUs (no calibrate profile)"
+    return buf.numel() * buf.element_size() / best / 1e9
 
 
 def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds: int) -> dict:
@@ -71,19 +74,29 @@ def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds
         modes[name] = fn
     first: dict[str, list[float]] = {k: [] for k in modes}
     rate: dict[str, list[float]] = {k: [] for k in modes}
+    profile = _profile_bandwidth()
+    # without a calibrated profile, the bandwidth is probed in every round, between the modes' runs: the
+    # roofline share of a round divides by what the memory gave in that round, so drift of a shared
+    # machine hits the decode rate and its roofline alike
+    probe = torch.ones(128 << 20) if profile is None else None   # 512 MiB of fp32
+    bws: list[float] = []
     for _ in range(rounds):
         for name, fn in modes.items():
             g = generate_timed(fn, ids, **kw)
             first[name].append(g.prefill_seconds)
             rate[name].append(g.decode_tokens_per_second)
+        bws.append(profile[0] if profile is not None else _probe(probe))
     ttft = {k: statistics.median(v) for k, v in first.items()}
     tps = {k: statistics.median(v) for k, v in rate.items()}
-    bw, bw_source = _bandwidth_gbs()
+    bw = statistics.median(bws)
+    bw_source = profile[1] if profile is not None else \
+        "measured here in every round: a sum over 512 MiB on all CPUs (no calibrate profile)"
     d = zoo.describe(model_name)
     context = prompt + new_tokens // 2
     blocks = blocks_for(d, 1, 1, dtype_name, context=context)
     step_bytes = sum(b.weight_bytes() + b.cache_bytes() for b in blocks)
     roofline = bw * 1e9 / step_bytes
+    share = {k: statistics.median(r * step_bytes / (b * 1e9) for r, b in zip(v, bws)) for k, v in rate.items()}
     return {
         "model": model_name, "dtype": dtype_name, "prompt": prompt, "new_tokens": new_tokens, "cpus": cpus,
         "rounds": rounds, "first_token_s": ttft, "decode_tokens_per_s": tps, "compile_s": compile_s,
@@ -91,9 +104,9 @@ def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds
         "numatp1_vs_baseline": tps["numatp-1"] / tps["baseline"],
         "vs_numatp1": {k: tps[k] / tps["numatp-1"] for k in modes if k.startswith("numatp-") and k != "numatp-1"},
         "greedy_equal_to_baseline": {k: bool(torch.equal(tokens[k], tokens["baseline"])) for k in modes},
-        "step_bytes": step_bytes, "bandwidth_gbs": bw, "bandwidth_source": bw_source,
+        "step_bytes": step_bytes, "bandwidth_gbs": bw, "bandwidth_source": bw_source, "bandwidth_rounds": bws,
         "roofline_tokens_per_s": roofline,
-        "roofline_share": {k: v / roofline for k, v in tps.items()},
+        "roofline_share": share,
     }
 
 
