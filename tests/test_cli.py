@@ -149,3 +149,5 @@ def test_generate_prints_first_token_and_decode_speed(cli):
 def test_generate_refuses_text_without_a_tokenizer(cli):
     code, _, err = cli("generate", "gpt2", "--tiny", "--prompt", "hello")
     assert code == 2 and "--prompt needs a checkpoint folder with a tokenizer" in err and "--prompt-len" in err
+    code, _, err = cli("generate", "gpt2", "--tiny", "--prompt-bucket", "0")
+    assert code == 2 and "--prompt-bucket 0: must be >= 1" in err

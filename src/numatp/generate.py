@@ -148,7 +148,8 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
         ids = input_ids.clone()
         run_ids, run_mask = ids, attention_mask
         if padded > prompt:   # left padding, masked: the tokens' positions and outputs are the prompt's own
-            run_ids = torch.cat([ids.new_full((batch, padded - prompt), pad), ids], 1)
+            # (padded with each row's first token, which the embedding has, whatever pad_token_id is)
+            run_ids = torch.cat([ids[:, :1].expand(batch, padded - prompt), ids], 1)
             run_mask = torch.cat([attention_mask.new_zeros((batch, padded - prompt)), attention_mask], 1)
         mask = torch.ones(batch, length, dtype=torch.long)
         mask[:, :padded] = run_mask

@@ -28,6 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     src.add_argument("--prompt-len", type=int, default=None,
                      help="a random prompt of this many tokens (default 128 for a preset)")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--prompt-bucket", type=int, default=None,
+                   help="left-pad (masked) the prompt to a multiple of this many tokens, so that nearby "
+                   "prompt lengths share one compiled program (default 32; 1 runs the prompt as given)")
     p.add_argument("--batch", type=int, default=1, help="prompts generated together (default 1)")
     p.add_argument("--sockets", type=int, default=None,
                    help="socket count (default: the detected sockets, or 2 virtual ones on a one-node machine)")
@@ -58,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", message="numatp: virtual sockets")
     if args.new_tokens < 1:
         print(f"numatp generate: --new-tokens {args.new_tokens}: must be >= 1", file=sys.stderr)
+        return 2
+    if args.prompt_bucket is not None and args.prompt_bucket < 1:
+        print(f"numatp generate: --prompt-bucket {args.prompt_bucket}: must be >= 1 (1 runs the prompt as given)",
+              file=sys.stderr)
         return 2
     folder = os.path.isdir(args.model)
     tokenizer = None
@@ -91,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         mask = torch.ones_like(ids)
     topo = resolve_ranks(args.sockets, Topology.detect())
     kw = dict(max_new_tokens=args.new_tokens, do_sample=args.sample)
+    if args.prompt_bucket is not None:
+        kw["prompt_bucket"] = args.prompt_bucket
     if not args.sample:
         kw["pad_token_id"] = tokenizer.pad_token_id if tokenizer is not None else 0
     runs = []
