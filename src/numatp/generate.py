@@ -21,6 +21,7 @@ gathers one row per sequence.
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -155,6 +156,8 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
         mask[:, :padded] = run_mask
         positions = (run_mask.long().cumsum(-1) - 1).masked_fill(run_mask == 0, 0)
         calls = backend.calls if backend is not None else 0
+        # transformers 5 names the cache argument ``cache`` (``past_key_values`` is deprecated there)
+        cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         unfinished = torch.ones(batch, dtype=torch.bool)
         eos_t = torch.tensor(eos, dtype=torch.long)
         sequences = [ids]
@@ -169,7 +172,7 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                 step_ids = run_ids if step == 0 else token[:, None]
                 step_pos = positions if step == 0 else positions[:, -1:] + step
                 out = compiled(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                               past_key_values=cache, use_cache=True, logits_to_keep=1)
+                               **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
                 if backend is not None:
                     if backend.calls == calls:
                         raise RuntimeError(_not_through_numatp(step, prompt, padded, length))
