@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import operator
 
 import pytest
 import torch
@@ -88,8 +89,15 @@ def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_pa
     _check_no_cuts(backend, sockets)
 
 
+def _ends_with_a_reduction(seg):
+    body = [n for n in seg.gm.graph.nodes if n.op == "call_function"]
+    return bool(body) and body[-1].target is operator.getitem and \
+        body[-1].args[0].target is torch.ops.numatp.socket_all_reduce.default
+
+
 def _check_no_cuts(backend, sockets):
-    """Every weight matmul is a numatp::linear inside a segment: the programs are cut only at collectives."""
+    """Every weight matmul is a numatp::linear inside a segment: the programs are cut only at collectives
+    and, with several sockets, after a reduction run inside a segment (a layer's end)."""
     weights = {rank: {r["weight"] for r in backend.gemm_report() if r["rank"] == rank} for rank in range(sockets)}
     for graph in backend.graphs:
         for variant in graph.variants.values():
@@ -100,7 +108,9 @@ def _check_no_cuts(backend, sockets):
                 assert len(calls) >= len(weights[prog.rank]) > 0
                 segments = sum(isinstance(s, Segment) for s in prog.steps)
                 collectives = sum(isinstance(s, Collective) for s in prog.steps)
-                assert segments <= collectives + 1
+                ends = sum(isinstance(s, Segment) and _ends_with_a_reduction(s) for s in prog.steps)
+                assert segments <= collectives + ends + 1
+                assert (ends > 0) == (sockets > 1)
 
 
 def test_native_linear_takes_each_providers_operand():

@@ -2,10 +2,11 @@
 
 Contract. ``build`` takes each socket's local program and arguments: it applies the GEMM rewrite, turns
 single-query attention (a decode step) into fused reductions (:mod:`numatp.plan.attention_pass`), splits
-(:func:`~numatp.runtime.segments.split_program`: most reductions inside the segments, one cut per layer)
-and compiles, and records per step what to free (``SocketProgram.finish``). ``run`` guarantees socket
-0's outputs, every socket having performed the same collectives; an exception in any socket reaches the
-caller (its peers stop waiting), and a socket missing past the group's timeout is named.
+(:func:`~numatp.runtime.segments.split_program`: every reduction but the first inside the segments, a
+segment per layer) and compiles, and records per step what to free (``SocketProgram.finish``). ``run``
+guarantees socket 0's outputs, every socket having performed the same collectives; an exception in any
+socket reaches the caller (its peers stop waiting), and a socket missing past the group's timeout is
+named.
 ``src/numatp/runtime/README.md`` walks one call end to end.
 
 Each worker runs its socket's segments on its own weight shards. An all-reduce hands the worker's

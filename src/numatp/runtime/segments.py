@@ -2,11 +2,12 @@
 
 Two kinds of nodes stay inside segments as C++ dispatcher ops (``ops.cpp``, built by
 :mod:`numatp.runtime.native`), which a segment compiled with ``cpp_wrapper`` calls from its C++ without
-the GIL: a ``numatp::gemm`` whose provider has a C++ kernel becomes ``numatp::linear``, and all-reduces
-but one per :data:`REDUCTIONS_PER_SEGMENT` become ``numatp::socket_all_reduce``. The program is cut at
-what is left: the first all-reduce (the sockets' programs differ before it, by the vocabulary-parallel
-lookup's row range), one all-reduce per layer after it, all-gathers, and a provider that is a Python
-callable (``inductor_cpp``). So each layer is one segment: a socket returns to Python once per layer, and
+the GIL: a ``numatp::gemm`` whose provider has a C++ kernel becomes ``numatp::linear``, and every
+all-reduce after the first becomes ``numatp::socket_all_reduce``. The program is cut at what is left: the
+first all-reduce (the sockets' programs differ before it, by the vocabulary-parallel lookup's row
+range), all-gathers and a provider that is a Python callable (``inductor_cpp``), and a segment ends after
+every :data:`REDUCTIONS_PER_SEGMENT`-th reduction. So each layer is one segment: a socket returns to
+Python once per layer, and
 since the layers' segments have the same code (canonical names make them compare equal), one Inductor
 compilation serves every layer and every socket with the same local shapes. With one socket the cuts
 stay (as the identity) and the other collectives go.
@@ -64,7 +65,7 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(t) if isinstance(t, torch.Tensor) else t
                                           for t in example_inputs])
     _native_gemms(gm)
-    _place_reductions(gm, sockets)
+    cuts = _place_reductions(gm, sockets)
     nodes = list(gm.graph.nodes)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
@@ -96,6 +97,9 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                                         n.meta.get("numatp_gather")))
         else:
             current.append(n)
+            if n in cuts:   # after a reduction that runs inside the segment: the end of a layer
+                steps.append(_segment(gm, current, i + 1, last_use, output))
+                current = []
     if current:
         steps.append(_segment(gm, current, len(nodes), last_use, output))
     outs = [a.name if isinstance(a, torch.fx.Node) else ("const", a) for a in output.args[0]]
@@ -122,35 +126,43 @@ def _native_gemms(gm: torch.fx.GraphModule) -> None:
 
 
 REDUCTIONS_PER_SEGMENT = 2
-"""After the first, every this-many-th all-reduce stays a cut and the others run inside the segments.
-Transformer layers have 2 reductions each, so every layer is one segment of the same code, compiled once
-(measured, gpt2-medium on one socket: the whole program as one segment took 73 s to compile, a segment
-per layer 31 s)."""
+"""After the first, every this-many-th all-reduce ends a segment. Transformer layers have 2 reductions
+each, so every layer is one segment of the same code, compiled once (measured, gpt2-medium on one
+socket: the whole program as one segment took 73 s to compile, a segment per layer 31 s)."""
 
 
-def _place_reductions(gm: torch.fx.GraphModule, sockets: int) -> None:
-    """Decide where each collective runs. The first all-reduce and every :data:`REDUCTIONS_PER_SEGMENT`-th
-    after it stay cuts of the program; the others become ``numatp::socket_all_reduce`` in place, each
-    chained to the one before. With one socket the inline ones and the all-gathers are dropped (a sum
-    over one socket is its input) and the cuts are kept, as the identity, so that the layers stay
+def _place_reductions(gm: torch.fx.GraphModule, sockets: int) -> set[torch.fx.Node]:
+    """Decide where each collective runs; returns the nodes after which a segment ends.
+
+    The first all-reduce stays a cut of the program (a step of its own): the sockets' programs differ
+    before it (a vocabulary-parallel lookup's row range is a constant of its segment) and are the same
+    code after it wherever the sockets' shapes are. Every later one becomes ``numatp::socket_all_reduce``
+    in place, each chained to the one before, and every :data:`REDUCTIONS_PER_SEGMENT`-th ends a segment
+    right after it: a layer's reductions both run inside its segment, without a return to Python
+    (measured, gpt2-medium bf16 decode on 2 virtual sockets: a reduction called from Python between two
+    segments cost 20 us, one inside 4-9 us). The chain (each reduction reads the one-element token the
+    one before returned) keeps the reductions in program order on every socket, whatever the compiler
+    schedules between them. A dtype the C++ collective does not sum stays a cut.
+
+    With one socket the reductions that would run inside and the all-gathers are dropped (a sum over one
+    socket is its input), and the segment ends stay as cuts (the identity), so that the layers stay
     segments of the same code.
-
-    The first stays a cut because the sockets' programs differ before it (a vocabulary-parallel lookup's
-    row range is a constant of its segment) and are the same code after it wherever the sockets' shapes
-    are. The chain (each reduction reads the one-element token the one before returned) keeps the
-    reductions in program order on every socket, whatever the compiler schedules between them. A dtype the
-    C++ collective does not sum stays a cut.
     """
     reductions = [n for n in gm.graph.nodes if n.target is COLLECTIVES[0]]
-    inline = [n for i, n in enumerate(reductions) if i % REDUCTIONS_PER_SEGMENT
-              and (sockets == 1 or n.meta["val"].dtype in (torch.float32, torch.bfloat16))]
+    summed = [i > 0 and (sockets == 1 or n.meta["val"].dtype in (torch.float32, torch.bfloat16))
+              for i, n in enumerate(reductions)]
+    ends = {n for i, n in enumerate(reductions) if i and i % REDUCTIONS_PER_SEGMENT == 0}
+    cuts: set[torch.fx.Node] = set()
     if sockets == 1:
+        inline = [n for n, ok in zip(reductions, summed) if ok and n not in ends]
         gathers = [n for n in gm.graph.nodes if n.target in COLLECTIVES[1:]]
         for n in inline + gathers:
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
-    elif inline:
-        load_ops()
+    else:
+        inline = [n for n, ok in zip(reductions, summed) if ok]
+        if inline:
+            load_ops()
         token = None
         for n in inline:
             with gm.graph.inserting_before(n):
@@ -162,8 +174,11 @@ def _place_reductions(gm: torch.fx.GraphModule, sockets: int) -> None:
             call.meta["val"] = (total.meta["val"], token.meta["val"])
             n.replace_all_uses_with(total)
             gm.graph.erase_node(n)
+            if n in ends:
+                cuts.add(token)   # the last of the three nodes made for it
     gm.graph.lint()
     gm.recompile()
+    return cuts
 
 
 def _segment(gm, body: list[torch.fx.Node], end: int, last_use: dict[str, int], output) -> Segment:
