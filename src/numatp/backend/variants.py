@@ -51,13 +51,13 @@ class Variant:
         # a few milliseconds: only those positions are filled per call, each state by its layout code)
         self._inputs = [[(i, bd.index) for i, bd in enumerate(b) if bd.placement is None] for b in self.bindings]
         self._states = [[(i, bd, self.states.code(bd.placement)) for i, bd in enumerate(b) if bd.state]
-                        for b in self.bindings] if self.states is not None else []
+                        for b in self.bindings]
 
     def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
         """Each socket's program arguments: the weights made at build time, this call's activations, and
         the socket's copies of the states this call's inputs name."""
         out = []
-        get = self.states.get if self.states is not None else None
+        get = self.states.get
         for r, weights in enumerate(self.weights):
             local = list(weights)
             for i, src in self._inputs[r]:

@@ -6,8 +6,7 @@ single-query attention (a decode step) into fused reductions (:mod:`numatp.plan.
 segment per layer) and compiles, and records per step what to free (``SocketProgram.finish``). ``run``
 guarantees socket 0's outputs, every socket having performed the same collectives; an exception in any
 socket reaches the caller (its peers stop waiting), and a socket missing past the group's timeout is
-named.
-``src/numatp/runtime/README.md`` walks one call end to end.
+named. ``src/numatp/runtime/README.md`` walks one call end to end.
 
 Each worker runs its socket's segments on its own weight shards. An all-reduce hands the worker's
 partial sum to the group's collective (:mod:`numatp.runtime.collective`: C++, no GIL, reduce-scatter +
@@ -82,9 +81,9 @@ class ShardedExecutor:
 
     @property
     def inline_reductions(self) -> bool:
-        """Whether most all-reduces run inside the compiled segments (``numatp::socket_all_reduce``, see
-        ``split_program``), where the C++ collective sums them: no return to Python, no GIL, between a
-        kernel and its reduction. With one socket there is nothing to sum."""
+        """Whether all-reduces run inside the compiled segments (every one after the first, where the C++
+        collective sums its dtype: ``numatp::socket_all_reduce``, see ``split_program``): no return to
+        Python, no GIL, between a kernel and its reduction. With one socket there is nothing to sum."""
         return self.group.size > 1
 
     def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]],

@@ -7,10 +7,9 @@ all-reduce after the first becomes ``numatp::socket_all_reduce``. The program is
 first all-reduce (the sockets' programs differ before it, by the vocabulary-parallel lookup's row
 range), all-gathers and a provider that is a Python callable (``inductor_cpp``), and a segment ends after
 every :data:`REDUCTIONS_PER_SEGMENT`-th reduction. So each layer is one segment: a socket returns to
-Python once per layer, and
-since the layers' segments have the same code (canonical names make them compare equal), one Inductor
-compilation serves every layer and every socket with the same local shapes. With one socket the cuts
-stay (as the identity) and the other collectives go.
+Python once per layer, and since the layers' segments have the same code (canonical names make them
+compare equal), one Inductor compilation serves every layer and every socket with the same local shapes.
+With one socket the segment ends stay as cuts (the identity) and the other collectives go.
 
 Contract. Takes: a local program (after the GEMM rewrite) and arguments of its local shapes.
 Guarantees: the steps, run in order over one environment, compute what the program computes; each
@@ -31,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.plan.ops import COLLECTIVES
+from numatp.runtime.collective import SocketComm
 from numatp.runtime.gemm import GEMM_OP, NATIVE, GemmStep
 from numatp.runtime.native import load_ops
 
@@ -149,8 +149,7 @@ def _place_reductions(gm: torch.fx.GraphModule, sockets: int) -> set[torch.fx.No
     segments of the same code.
     """
     reductions = [n for n in gm.graph.nodes if n.target is COLLECTIVES[0]]
-    summed = [i > 0 and (sockets == 1 or n.meta["val"].dtype in (torch.float32, torch.bfloat16))
-              for i, n in enumerate(reductions)]
+    summed = [i > 0 and (sockets == 1 or SocketComm.supports(n.meta["val"])) for i, n in enumerate(reductions)]
     ends = {n for i, n in enumerate(reductions) if i and i % REDUCTIONS_PER_SEGMENT == 0}
     cuts: set[torch.fx.Node] = set()
     if sockets == 1:
