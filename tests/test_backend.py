@@ -12,7 +12,9 @@ import torch
 import numatp
 from numatp import zoo
 from numatp.backend import NumaTPBackend, backend_of, placement_report
+from numatp.plan.gemm_pass import GemmOptions
 from numatp.runtime import SocketError, SocketGroup
+from numatp.runtime.segments import Collective
 from numatp.topology import Topology
 from tests.helpers import assert_close_to_eager, shared_cpu_topology
 
@@ -66,6 +68,33 @@ def test_inductor_one_socket_is_cut_once_per_layer():
     assert backend.compiler.compiled + backend.compiler.reused == layers + 2
     assert variant.executor.performed == {"all_reduce": 0, "all_gather": 0}   # nothing to sum on one socket
     assert [r["socket"] for r in placement_report(compiled)["ranks"]] == [0]
+
+
+def _gathers(compiled):
+    return [s for g in backend_of(compiled).graphs for v in g.variants.values() for p in v.executor.programs
+            for s in p.steps if isinstance(s, Collective) and s.kind == "all_gather"]
+
+
+@pytest.mark.parametrize(("family", "gemm", "in_place", "bias"), [
+    ("gpt2", False, True, False),         # tied head: mm(x, permute(wte)) on ATen
+    ("bert-small", False, True, True),    # MLM decoder: addmm(bias, x, permute(W))
+    ("llama", GemmOptions(force="onednn_packed"), False, False)])   # a provider's numatp::linear: copied
+def test_the_logits_gather_writes_each_sockets_matmul_in_place(family, gemm, in_place, bias, tmp_path):
+    """On 2 sockets the LM head's columns are written by each socket's matmul straight into the full
+    logits where the head is an ATen matmul; a provider's op keeps the shard and its copy. Both equal eager."""
+    if isinstance(gemm, GemmOptions):
+        gemm = GemmOptions(force=gemm.force, cache_dir=str(tmp_path))
+    *_, compiled, expected, actual = _eager_and_compiled(family, torch.float32, 2, "eager", gemm=gemm)
+    assert_close_to_eager(actual, expected, f"{family} 2 sockets")
+    gathers = _gathers(compiled)
+    assert len(gathers) == 2   # one per socket program
+    for step in gathers:
+        assert (step.matmul is not None) == in_place
+        if in_place:
+            assert (step.matmul.bias is not None) == bias
+            assert step.matmul.shape == tuple(expected.shape)
+    assert sum(v.executor.performed["all_gather"] for g in backend_of(compiled).graphs
+               for v in g.variants.values()) == 1
 
 
 def test_graph_breaks_give_several_graphs():

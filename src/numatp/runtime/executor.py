@@ -16,8 +16,9 @@ every socket holds the same bits. The partial is dropped as the call returns, so
 the partials of the reduction in progress; a value is dropped from a worker's environment after its
 last use. ``performed`` counts the collectives the workers completed, per kind, over all calls. Per
 socket, ``sync_seconds`` adds up the time spent in all-reduces (waiting for the slowest socket
-included) and ``gather_seconds`` the time spent gathering a column-sharded output (its copy into the
-full tensor, whose fresh pages fault in as it is written, included).
+included) and ``gather_seconds`` the time spent gathering a column-sharded output (waiting for the full
+tensor, and the copy of a shard into it, whose fresh pages fault in as it is written; a matmul that
+writes its columns in place counts as compute, not gather).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class SocketProgram:
         keep = {o for o in self.outputs if isinstance(o, str)}
         last: dict[str, int] = {}
         for i, s in enumerate(self.steps):
-            for k in (s.inputs if isinstance(s, (Segment, GemmStep)) else [s.src]):
+            for k in s.inputs:
                 last[k] = i
         self.frees = [[] for _ in self.steps]
         for k, i in last.items():
@@ -119,6 +120,9 @@ class ShardedExecutor:
                         env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
                     elif isinstance(step, GemmStep):
                         env[step.dst] = step(env)
+                    elif step.matmul is not None:   # with several sockets only (split_program)
+                        env[step.dst] = env[step.matmul.x].new_empty(step.matmul.shape)
+                        step.matmul(env, env[step.dst], step.sets[prog.rank].intervals[0])
                     else:
                         env[step.dst] = env[step.src]
 
@@ -152,20 +156,28 @@ class ShardedExecutor:
                             performed["all_reduce"] += 1
                         sync[rank] += time.perf_counter() - t0
                     else:
-                        # socket 0 allocates the full tensor, every socket copies its own shard into it at
-                        # once; run() returns only after every worker is done, so no second barrier
+                        # socket 0 allocates the full tensor, every socket writes its own columns into it
+                        # at once (its matmul's output, or a copy of its shard); run() returns only after
+                        # every worker is done, so no second barrier
                         slot = slots[step.tag]
-                        shard = env[step.src]
+                        mm = step.matmul
                         if rank == 0:
-                            shape = list(shard.shape)
-                            shape[step.dim] = step.global_size
-                            slot[0] = shard.new_empty(shape)
+                            if mm is not None:
+                                slot[0] = env[mm.x].new_empty(mm.shape)
+                            else:
+                                shape = list(env[step.src].shape)
+                                shape[step.dim] = step.global_size
+                                slot[0] = env[step.src].new_empty(shape)
                         self.group.barrier(rank)
-                        place(slot[0], shard, step.dim, step.sets[rank])
+                        if mm is not None:
+                            gathered[rank] += time.perf_counter() - t0   # the matmul is not the gather's
+                            mm(env, slot[0], step.sets[rank].intervals[0])
+                        else:
+                            place(slot[0], env[step.src], step.dim, step.sets[rank])
+                            gathered[rank] += time.perf_counter() - t0
                         env[step.dst] = slot[0] if rank == 0 else None
                         if rank == 0:
                             performed["all_gather"] += 1
-                        gathered[rank] += time.perf_counter() - t0
                 for k in frees:
                     env.pop(k, None)
             return [env[o] if isinstance(o, str) else o[1] for o in prog.outputs]

@@ -9,7 +9,9 @@ range), all-gathers and a provider that is a Python callable (``inductor_cpp``),
 every :data:`REDUCTIONS_PER_SEGMENT`-th reduction. So each layer is one segment: a socket returns to
 Python once per layer, and since the layers' segments have the same code (canonical names make them
 compare equal), one Inductor compilation serves every layer and every socket with the same local shapes.
-With one socket the segment ends stay as cuts (the identity) and the other collectives go.
+With one socket the segment ends stay as cuts (the identity) and the other collectives go. An all-gather
+of an ATen weight matmul's output takes that matmul out of its segment and runs it into the full tensor
+(:class:`GatheredMatmul`).
 
 Contract. Takes: a local program (after the GEMM rewrite) and arguments of its local shapes.
 Guarantees: the steps, run in order over one environment, compute what the program computes; each
@@ -34,7 +36,7 @@ from numatp.runtime.collective import SocketComm
 from numatp.runtime.gemm import GEMM_OP, NATIVE, GemmStep
 from numatp.runtime.native import load_ops
 
-__all__ = ["Segment", "Collective", "split_program", "SegmentCompiler"]
+__all__ = ["Segment", "Collective", "GatheredMatmul", "split_program", "SegmentCompiler"]
 
 
 @dataclass
@@ -55,6 +57,39 @@ class Collective:
     dim: int = 0
     global_size: int = 0
     sets: Any = None
+    matmul: GatheredMatmul | None = None   # an all-gather computed in place (see GatheredMatmul)
+
+    @property
+    def inputs(self) -> list[str]:
+        return self.matmul.inputs if self.matmul is not None else [self.src]
+
+
+@dataclass
+class GatheredMatmul:
+    """The weight matmul whose column-sharded output an all-gather collects, run by the gather itself:
+    each socket's ``x @ W`` (``+ b``) writes straight into its columns of the full tensor, so neither a
+    shard tensor nor its copy into the full one is made (at gpt2's vocabulary and 512 tokens that copy,
+    whose fresh pages fault in, cost 7-8% of the prefill on 2 sockets). ``torch.mm(..., out=)`` takes the
+    columns as a strided view (the BLAS' leading dimension): the same kernel as Inductor's extern call."""
+
+    x: str                     # (M, K) activations, M the product of the full shape's leading dims
+    w: str                     # the weight shard: (N, K) when ``transposed`` (nn.Linear), else (K, N)
+    bias: str | None
+    transposed: bool
+    shape: tuple[int, ...]     # the full (gathered) output
+
+    @property
+    def inputs(self) -> list[str]:
+        return [self.x, self.w] + ([self.bias] if self.bias is not None else [])
+
+    def __call__(self, env: dict[str, Any], full: torch.Tensor, columns: tuple[int, int]) -> None:
+        lo, hi = columns
+        out = full.view(-1, full.shape[-1])[:, lo:hi]
+        w = env[self.w].t() if self.transposed else env[self.w]
+        if self.bias is None:
+            torch.mm(env[self.x], w, out=out)
+        else:
+            torch.addmm(env[self.bias], env[self.x], w, out=out)
 
 
 def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
@@ -66,6 +101,7 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                                           for t in example_inputs])
     _native_gemms(gm)
     cuts = _place_reductions(gm, sockets)
+    in_place, absorbed = _gathered_matmuls(gm)
     nodes = list(gm.graph.nodes)
     placeholders = [n.name for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
@@ -94,7 +130,9 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
                 steps.append(Collective("all_reduce", n.args[1], src, n.name))
             else:
                 steps.append(Collective("all_gather", n.args[3], src, n.name, n.args[1], n.args[2],
-                                        n.meta.get("numatp_gather")))
+                                        n.meta.get("numatp_gather"), in_place.get(n)))
+        elif n in absorbed:   # run by the all-gather it feeds
+            continue
         else:
             current.append(n)
             if n in cuts:   # after a reduction that runs inside the segment: the end of a layer
@@ -104,6 +142,46 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
         steps.append(_segment(gm, current, len(nodes), last_use, output))
     outs = [a.name if isinstance(a, torch.fx.Node) else ("const", a) for a in output.args[0]]
     return placeholders, steps, outs
+
+
+def _gathered_matmuls(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, GatheredMatmul], set[torch.fx.Node]]:
+    """The all-gathers that can compute their input in place: those of ``[view of] mm(x, W)`` or
+    ``addmm(b, x, W)`` along the last dim, with ``W`` a weight (a placeholder, or ``permute(W, [1, 0])`` /
+    ``t(W)`` of one) and every socket's columns one interval. Returns them with their
+    :class:`GatheredMatmul`, and the nodes the gathers take over (left out of the segments). Others (a
+    provider's ``numatp::linear``, an elementwise op after the matmul) keep the copy."""
+    aten = torch.ops.aten
+    found: dict[torch.fx.Node, GatheredMatmul] = {}
+    absorbed: set[torch.fx.Node] = set()
+    for g in [n for n in gm.graph.nodes if n.target is COLLECTIVES[1]]:
+        src, dim, sets = g.args[0], g.args[1], g.meta.get("numatp_gather")
+        full = g.meta.get("val")
+        if full is None or sets is None or any(len(s.intervals) != 1 for s in sets):
+            continue
+        if dim % full.dim() != full.dim() - 1:
+            continue
+        taken = [src]
+        mm = src
+        if mm.target is aten.view.default and len(mm.users) == 1:
+            mm = mm.args[0]
+            taken.append(mm)
+        if mm.target not in (aten.mm.default, aten.addmm.default) or mm.kwargs or len(mm.users) != 1:
+            continue
+        bias, x, wt = (None, *mm.args) if mm.target is aten.mm.default else mm.args
+        if mm.meta["val"].shape[0] * full.shape[-1] != full.numel():   # the view splits rows only
+            continue
+        if wt.op == "placeholder":
+            w, transposed = wt, False
+        elif (wt.target is aten.t.default or (wt.target is aten.permute.default and list(wt.args[1]) == [1, 0])) \
+                and wt.args[0].op == "placeholder" and len(wt.users) == 1:
+            w, transposed = wt.args[0], True
+            taken.append(wt)
+        else:
+            continue
+        found[g] = GatheredMatmul(x.name, w.name, bias.name if bias is not None else None, transposed,
+                                  tuple(int(d) for d in full.shape))
+        absorbed.update(taken)
+    return found, absorbed
 
 
 def _native_gemms(gm: torch.fx.GraphModule) -> None:
