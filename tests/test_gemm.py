@@ -166,8 +166,7 @@ def test_choice_is_keyed_by_threads(tmp_path):
         pytest.skip("this machine has one usable CPU: both topologies run one thread")
     assert one.gemm.table.measured > 0
     keys = json.loads(one.gemm.table.path.read_text())["rates"]
-    assert {k.rsplit("|", 1)[1] for k in keys} == {f"t{t}" for t in threads} | {
-        f"t{r['threads']}" for r in one.gemm_report()}
+    assert {GemmShape.from_key(k).threads for k in keys} == threads | {r["threads"] for r in one.gemm_report()}
 
 
 def test_table_is_per_cpu(tmp_path, monkeypatch):
@@ -227,8 +226,35 @@ def test_preview_chooses_like_apply_without_touching_the_programs(tmp_path):
 
 
 def test_shape_key_round_trip():
-    shape = GemmShape(512, 768, 2304, "bfloat16", "kn", 8)
-    assert GemmShape.from_key(shape.key) == shape
+    for shape in (GemmShape(512, 768, 2304, "bfloat16", "kn", 8), GemmShape(512, 768, 2304, "float32", "nk", 1, 4608)):
+        assert GemmShape.from_key(shape.key) == shape
+
+
+def _gathers(backend):
+    return [s for g in backend.graphs for v in g.variants.values() for p in v.executor.programs
+            for s in p.steps if isinstance(s, Collective) and s.kind == "all_gather"]
+
+
+def test_a_gathered_lm_head_is_measured_into_the_full_logits_and_runs_in_place_where_aten_wins(tmp_path):
+    """On 2 sockets gpt2's LM head (tied, column-parallel) is timed writing its columns of the full logits:
+    ATen in place against each provider plus its copy. Where ATen wins, the gather runs the matmul in
+    place; where another provider wins, it copies that provider's output. Both equal eager."""
+    opts = GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path))
+    first = _run("gpt2", torch.float32, 2, opts)
+    into = [GemmShape.from_key(k) for k in GemmTable(tmp_path).entries if GemmShape.from_key(k).into]
+    vocab = zoo.build("gpt2", tiny=True).config.vocab_size
+    assert {s.into for s in into} == {vocab} and sorted(s.n for s in into) == sorted(
+        {r["n"] for r in first.gemm_report() if r["n"] in (vocab // 2, vocab - vocab // 2)})
+    for winner, in_place in (("aten", True), ("onednn", False)):
+        GemmTable(tmp_path).put({s: {"aten": 1.0, "onednn": 1.0, winner: 1000.0} for s in into})
+        torch._dynamo.reset()
+        backend = _run("gpt2", torch.float32, 2, opts)
+        assert backend.gemm.table.measured == 0
+        assert [s.matmul is not None for s in _gathers(backend)] == [in_place] * 2
+    torch._dynamo.reset()
+    one = _run("gpt2", torch.float32, 1, GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path / "one")))
+    assert not any(GemmShape.from_key(k).into for k in GemmTable(tmp_path / "one").entries)   # no gather
+    assert not _gathers(one)
 
 
 def test_measure_all_times_every_provider_in_rounds():
@@ -241,6 +267,9 @@ def test_measure_all_times_every_provider_in_rounds():
     assert all(rates[p] > 0 for p in ("aten", "onednn", "onednn_packed", "mkl_packed"))
     # the same provider alone measures the same order of rate
     assert 0.2 < measure(PROVIDERS["aten"], shape, min_seconds=0.01, max_calls=3) / rates["aten"] < 5
+    # written into a wider tensor (a gathered LM head): ATen in place, the others by a copy
+    into = measure_all(PROVIDERS, GemmShape(64, 128, 96, "float32", "nk", 1, 200), min_seconds=0.01, max_calls=3)
+    assert all(into[p] > 0 for p in ("aten", "onednn", "onednn_packed", "mkl_packed"))
 
 
 def _poisoned_table(tmp_path):

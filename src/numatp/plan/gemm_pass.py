@@ -35,6 +35,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from numatp.plan.ops import COLLECTIVES
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, PackInfo, Provider, best_provider,
                                  stand_in)
 
@@ -149,7 +150,8 @@ class GemmSelector:
     def _sites(group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]],
                weights: list[set[int]]) -> list[dict[torch.fx.Node, list[_Site]]]:
         threads = [len(s.cpus) for s in group.topology.sockets]
-        return [_find_sites(gm, a, w, t) for gm, a, w, t in zip(gms, args, weights, threads)]
+        gathers = group.size > 1   # with one socket the gathers are dropped (numatp.runtime.segments)
+        return [_find_sites(gm, a, w, t, gathers) for gm, a, w, t in zip(gms, args, weights, threads)]
 
     def _choose(self, rank: int, gm: torch.fx.GraphModule, rank_sites: dict[torch.fx.Node, list[_Site]],
                 args: list[Any]) -> GemmChoice:
@@ -226,9 +228,11 @@ def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int
     return op
 
 
-def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int],
-                threads: int) -> dict[torch.fx.Node, list[_Site]]:
-    """Weight matmuls grouped by weight placeholder; weights with any other use are left out."""
+def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int], threads: int,
+                gathers: bool = False) -> dict[torch.fx.Node, list[_Site]]:
+    """Weight matmuls grouped by weight placeholder; weights with any other use are left out. With
+    ``gathers``, a matmul whose output is all-gathered is measured as written into the full tensor
+    (``GemmShape.into``)."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     plain = [stand_in(a) for a in args]
     FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in plain])
@@ -242,11 +246,11 @@ def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int],
             if u.target in (aten.permute.default, aten.t.default) and (u.target is aten.t.default
                                                                         or list(u.args[1]) == [1, 0]):
                 for v in u.users:
-                    site = _site(v, u, ph, "nk", threads)
+                    site = _site(v, u, ph, "nk", threads, gathers)
                     ok = ok and site is not None
                     sites.append(site)
             else:
-                site = _site(u, ph, ph, "kn", threads)
+                site = _site(u, ph, ph, "kn", threads, gathers)
                 ok = ok and site is not None
                 sites.append(site)
         if ok and sites:
@@ -254,7 +258,8 @@ def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int],
     return out
 
 
-def _site(node: torch.fx.Node, w: torch.fx.Node, ph: torch.fx.Node, layout: str, threads: int) -> _Site | None:
+def _site(node: torch.fx.Node, w: torch.fx.Node, ph: torch.fx.Node, layout: str, threads: int,
+          gathers: bool = False) -> _Site | None:
     if node.target is aten.mm.default and node.args[1] is w and node.args[0] is not w:
         x, bias = node.args[0], None
     elif (node.target is aten.addmm.default and node.args[2] is w and not node.kwargs
@@ -266,8 +271,28 @@ def _site(node: torch.fx.Node, w: torch.fx.Node, ph: torch.fx.Node, layout: str,
     if xv.dim() != 2 or xv.dtype != wv.dtype:
         return None
     n, k = (wv.shape[0], wv.shape[1]) if layout == "nk" else (wv.shape[1], wv.shape[0])
-    shape = GemmShape(int(xv.shape[0]), int(k), int(n), str(wv.dtype).removeprefix("torch."), layout, threads)
+    shape = GemmShape(int(xv.shape[0]), int(k), int(n), str(wv.dtype).removeprefix("torch."), layout, threads,
+                      _gathered_width(node) if gathers else 0)
     return _Site(node, x, ph, bias, shape)
+
+
+def _gathered_width(node: torch.fx.Node) -> int:
+    """The full width of the all-gather that takes this matmul's output (alone, through at most a view,
+    along the last dim, each socket's columns one interval: where ``numatp.runtime.segments`` lets an ATen
+    matmul write in place), else 0."""
+    v = node
+    if len(v.users) == 1 and next(iter(v.users)).target is aten.view.default:
+        v = next(iter(v.users))
+    if len(v.users) != 1:
+        return 0
+    g = next(iter(v.users))
+    if g.target is not COLLECTIVES[1]:
+        return 0
+    full, sets = g.meta.get("val"), g.meta.get("numatp_gather")
+    if full is None or sets is None or any(len(s.intervals) != 1 for s in sets) or \
+            g.args[1] % full.dim() != full.dim() - 1:
+        return 0
+    return int(full.shape[-1])
 
 
 def _rewrite(gm: torch.fx.GraphModule, site: _Site, provider: str) -> None:

@@ -16,9 +16,10 @@ every socket holds the same bits. The partial is dropped as the call returns, so
 the partials of the reduction in progress; a value is dropped from a worker's environment after its
 last use. ``performed`` counts the collectives the workers completed, per kind, over all calls. Per
 socket, ``sync_seconds`` adds up the time spent in all-reduces (waiting for the slowest socket
-included) and ``gather_seconds`` the time spent gathering a column-sharded output (waiting for the full
-tensor, and the copy of a shard into it, whose fresh pages fault in as it is written; a matmul that
-writes its columns in place counts as compute, not gather).
+included) and ``gather_seconds`` the time spent gathering a column-sharded output (the copy of a shard
+into the full tensor, whose fresh pages fault in as it is written; a matmul that writes its columns in
+place counts as compute, not gather). No socket waits for another at a gather: the full tensor is
+allocated before the workers start, and each writes its columns when it gets there.
 """
 
 from __future__ import annotations
@@ -121,18 +122,17 @@ class ShardedExecutor:
                     elif isinstance(step, GemmStep):
                         env[step.dst] = step(env)
                     elif step.matmul is not None:   # with several sockets only (split_program)
-                        env[step.dst] = env[step.matmul.x].new_empty(step.matmul.shape)
+                        env[step.dst] = torch.empty(step.full[0], dtype=step.full[1])
                         step.matmul(env, env[step.dst], step.sets[prog.rank].intervals[0])
                     else:
                         env[step.dst] = env[step.src]
 
     def run(self, local_args: list[list[Any]]) -> list[Any]:
         size = self.group.size
-        slots: dict[int, list[Any]] = {}
-        for prog in self.programs[:1]:
-            for s in prog.steps:
-                if isinstance(s, Collective) and s.kind == "all_gather":
-                    slots[s.tag] = [None] * size
+        # each all-gather's full tensor, allocated here and written by the sockets as they get there: no
+        # socket waits for another (its pages are not touched here, so each fills in on its writer's node)
+        slots = {s.tag: torch.empty(s.full[0], dtype=s.full[1]) for s in self.programs[0].steps
+                 if isinstance(s, Collective) and s.kind == "all_gather" and size > 1}
         sync = self.sync_seconds
         gathered = self.gather_seconds
         performed = self.performed
@@ -156,26 +156,15 @@ class ShardedExecutor:
                             performed["all_reduce"] += 1
                         sync[rank] += time.perf_counter() - t0
                     else:
-                        # socket 0 allocates the full tensor, every socket writes its own columns into it
-                        # at once (its matmul's output, or a copy of its shard); run() returns only after
-                        # every worker is done, so no second barrier
-                        slot = slots[step.tag]
-                        mm = step.matmul
-                        if rank == 0:
-                            if mm is not None:
-                                slot[0] = env[mm.x].new_empty(mm.shape)
-                            else:
-                                shape = list(env[step.src].shape)
-                                shape[step.dim] = step.global_size
-                                slot[0] = env[step.src].new_empty(shape)
-                        self.group.barrier(rank)
-                        if mm is not None:
-                            gathered[rank] += time.perf_counter() - t0   # the matmul is not the gather's
-                            mm(env, slot[0], step.sets[rank].intervals[0])
+                        # every socket writes its own columns into the full tensor (its matmul's output,
+                        # or a copy of its shard); run() returns only after every worker is done
+                        full = slots[step.tag]
+                        if step.matmul is not None:   # a matmul that writes in place is compute, not gather
+                            step.matmul(env, full, step.sets[rank].intervals[0])
                         else:
-                            place(slot[0], env[step.src], step.dim, step.sets[rank])
+                            place(full, env[step.src], step.dim, step.sets[rank])
                             gathered[rank] += time.perf_counter() - t0
-                        env[step.dst] = slot[0] if rank == 0 else None
+                        env[step.dst] = full if rank == 0 else None
                         if rank == 0:
                             performed["all_gather"] += 1
                 for k in frees:
@@ -192,6 +181,4 @@ class ShardedExecutor:
                 performed["all_reduce"] += done[1]
             return out
 
-        results = self.group.run(work)
-        # a second barrier is not needed: slots are per tag and per call, and run() joins every worker
-        return results[0]
+        return self.group.run(work)[0]

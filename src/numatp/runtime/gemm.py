@@ -60,16 +60,22 @@ class GemmShape:
     dtype: str          # "float32" or "bfloat16"
     layout: str         # "nk" (nn.Linear weight) or "kn" (Conv1D weight)
     threads: int
+    into: int = 0
+    """Nonzero: the output is gathered into a full tensor of this many columns (a column-parallel LM
+    head). Each call then writes its N columns there: ``aten`` in place (``torch.mm(..., out=)``), any
+    other provider by a copy of its own output, so the rates compare what the gather will run."""
 
     @property
     def key(self) -> str:
-        return f"{self.dtype}|{self.m}|{self.k}|{self.n}|{self.layout}|t{self.threads}"
+        return f"{self.dtype}|{self.m}|{self.k}|{self.n}|{self.layout}|t{self.threads}" + \
+            (f"|into{self.into}" if self.into else "")
 
     @classmethod
     def from_key(cls, key: str) -> GemmShape:
         """The shape a table key names (the inverse of :attr:`key`)."""
-        dtype, m, k, n, layout, threads = key.split("|")
-        return cls(int(m), int(k), int(n), dtype, layout, int(threads.removeprefix("t")))
+        dtype, m, k, n, layout, threads, *into = key.split("|")
+        return cls(int(m), int(k), int(n), dtype, layout, int(threads.removeprefix("t")),
+                   int(into[0].removeprefix("into")) if into else 0)
 
     @property
     def flops(self) -> int:
@@ -95,6 +101,16 @@ class Provider:
 
 def _aten_call(x, w_nk, bias, n, k):
     return torch.mm(x, w_nk.t()) if bias is None else torch.addmm(bias, x, w_nk.t())
+
+
+def _call_into(provider: Provider, x, op, bias, n, k, full: torch.Tensor) -> None:
+    """One call of a gathered matmul (``GemmShape.into``): its columns of ``full`` written in place by ATen,
+    by a copy of the output otherwise (as ``numatp.runtime.segments.GatheredMatmul`` and the gather run)."""
+    cols = full[:, :n]
+    if provider.name == "aten":
+        torch.mm(x, op.t(), out=cols) if bias is None else torch.addmm(bias, x, op.t(), out=cols)
+    else:
+        cols.copy_(provider.call(x, op, bias, n, k))
 
 
 def _onednn_call(x, w, bias, n, k):
@@ -239,8 +255,12 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
             for name, (provider, op) in timed.items():
                 if len(times[name]) >= max_calls:
                     continue
-                t0 = time.perf_counter()
-                provider.call(x, op, bias, shape.n, shape.k)
+                if shape.into:   # a fresh full tensor per call, as per gather: its pages fault in
+                    t0 = time.perf_counter()
+                    _call_into(provider, x, op, bias, shape.n, shape.k, x.new_empty(shape.m, shape.into))
+                else:
+                    t0 = time.perf_counter()
+                    provider.call(x, op, bias, shape.n, shape.k)
                 dt = time.perf_counter() - t0
                 times[name].append(dt)
                 spent[name] += dt

@@ -57,6 +57,7 @@ class Collective:
     dim: int = 0
     global_size: int = 0
     sets: Any = None
+    full: tuple[tuple[int, ...], torch.dtype] | None = None   # an all-gather's output: shape, dtype
     matmul: GatheredMatmul | None = None   # an all-gather computed in place (see GatheredMatmul)
 
     @property
@@ -68,15 +69,16 @@ class Collective:
 class GatheredMatmul:
     """The weight matmul whose column-sharded output an all-gather collects, run by the gather itself:
     each socket's ``x @ W`` (``+ b``) writes straight into its columns of the full tensor, so neither a
-    shard tensor nor its copy into the full one is made (at gpt2's vocabulary and 512 tokens that copy,
-    whose fresh pages fault in, cost 7-8% of the prefill on 2 sockets). ``torch.mm(..., out=)`` takes the
-    columns as a strided view (the BLAS' leading dimension): the same kernel as Inductor's extern call."""
+    shard tensor nor its copy into the full one is made. ``torch.mm(..., out=)`` takes the columns as a
+    strided view (the BLAS' leading dimension). Whether this beats a provider's kernel plus the copy
+    depends on the CPU and dtype, so the GEMM pass measures both ways (``GemmShape.into``): gpt2 fp32 at
+    512 tokens on 2 sockets, the 44 ms a call of the gather's copy went; in bf16, where oneDNN's kernel
+    writes only contiguous output, the copy stayed the faster way on an AMX Xeon."""
 
     x: str                     # (M, K) activations, M the product of the full shape's leading dims
     w: str                     # the weight shard: (N, K) when ``transposed`` (nn.Linear), else (K, N)
     bias: str | None
     transposed: bool
-    shape: tuple[int, ...]     # the full (gathered) output
 
     @property
     def inputs(self) -> list[str]:
@@ -129,8 +131,10 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
             if n.target is COLLECTIVES[0]:
                 steps.append(Collective("all_reduce", n.args[1], src, n.name))
             else:
+                full = n.meta["val"]
                 steps.append(Collective("all_gather", n.args[3], src, n.name, n.args[1], n.args[2],
-                                        n.meta.get("numatp_gather"), in_place.get(n)))
+                                        n.meta.get("numatp_gather"), (tuple(map(int, full.shape)), full.dtype),
+                                        in_place.get(n)))
         elif n in absorbed:   # run by the all-gather it feeds
             continue
         else:
@@ -178,8 +182,7 @@ def _gathered_matmuls(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, Gat
             taken.append(wt)
         else:
             continue
-        found[g] = GatheredMatmul(x.name, w.name, bias.name if bias is not None else None, transposed,
-                                  tuple(int(d) for d in full.shape))
+        found[g] = GatheredMatmul(x.name, w.name, bias.name if bias is not None else None, transposed)
         absorbed.update(taken)
     return found, absorbed
 
