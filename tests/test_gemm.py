@@ -181,7 +181,8 @@ def test_ceilings_best_rate_per_provider(tmp_path):
     t = GemmTable(tmp_path)
     t.put({GemmShape(4, 8, 8, "float32", "nk", 1): {"aten": 3.0, "onednn": 5.0},
            GemmShape(8, 8, 8, "float32", "kn", 2): {"aten": 7.0, "onednn": 4.0},
-           GemmShape(8, 8, 8, "bfloat16", "kn", 2): {"aten": 1.0}})
+           GemmShape(8, 8, 8, "bfloat16", "kn", 2): {"aten": 1.0},
+           GemmShape(8, 8, 8, "float32", "nk", 2, 16): {"aten": 99.0}})   # timed into a gather: not a ceiling
     assert ceilings("float32", cache_dir=tmp_path) == {"aten": 7.0, "onednn": 5.0}
     assert ceilings(torch.float32, cache_dir=tmp_path, threads=1) == {"aten": 3.0, "onednn": 5.0}
     assert ceilings("bfloat16", cache_dir=tmp_path) == {"aten": 1.0}

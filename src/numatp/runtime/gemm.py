@@ -360,11 +360,14 @@ def ceilings(dtype: str | torch.dtype, *, cache_dir: str | os.PathLike | None = 
 
 
 def ceiling_table(*, cache_dir: str | os.PathLike | None = None) -> dict[str, dict[int, dict[str, float]]]:
-    """Best measured GFLOP/s per dtype, thread count and provider: ``{dtype: {threads: {provider: rate}}}``."""
+    """Best measured GFLOP/s per dtype, thread count and provider: ``{dtype: {threads: {provider: rate}}}``.
+    Shapes timed into a gathered tensor (``GemmShape.into``: a strided write, or a copy) are left out."""
     out: dict[str, dict[int, dict[str, float]]] = {}
     for key, rates in GemmTable(cache_dir).entries.items():
-        parts = key.split("|")
-        best = out.setdefault(parts[0], {}).setdefault(int(parts[-1].removeprefix("t")), {})
+        shape = GemmShape.from_key(key)
+        if shape.into:
+            continue
+        best = out.setdefault(shape.dtype, {}).setdefault(shape.threads, {})
         for p, r in rates.items():
             best[p] = max(best.get(p, 0.0), r)
     return out
