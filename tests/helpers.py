@@ -29,3 +29,11 @@ def shared_cpu_topology(sockets: int) -> Topology:
 def fresh_dynamo():
     """Forget compiled frames, so a test's torch.compile is not served from (or limited by) earlier tests."""
     torch._dynamo.reset()
+
+
+def all_gathers(backend) -> list:
+    """Every all-gather step of every socket program a backend compiled."""
+    from numatp.runtime.segments import Collective
+
+    return [s for g in backend.graphs for v in g.variants.values() for p in v.executor.programs
+            for s in p.steps if isinstance(s, Collective) and s.kind == "all_gather"]

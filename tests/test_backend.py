@@ -14,9 +14,8 @@ from numatp import zoo
 from numatp.backend import NumaTPBackend, backend_of, placement_report
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.runtime import SocketError, SocketGroup
-from numatp.runtime.segments import Collective
 from numatp.topology import Topology
-from tests.helpers import assert_close_to_eager, shared_cpu_topology
+from tests.helpers import all_gathers, assert_close_to_eager, shared_cpu_topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
 
@@ -70,11 +69,6 @@ def test_inductor_one_socket_is_cut_once_per_layer():
     assert [r["socket"] for r in placement_report(compiled)["ranks"]] == [0]
 
 
-def _gathers(compiled):
-    return [s for g in backend_of(compiled).graphs for v in g.variants.values() for p in v.executor.programs
-            for s in p.steps if isinstance(s, Collective) and s.kind == "all_gather"]
-
-
 @pytest.mark.parametrize(("family", "gemm", "in_place", "bias"), [
     ("gpt2", False, True, False),         # tied head: mm(x, permute(wte)) on ATen
     ("bert-small", False, True, True),    # MLM decoder: addmm(bias, x, permute(W))
@@ -86,7 +80,7 @@ def test_the_logits_gather_writes_each_sockets_matmul_in_place(family, gemm, in_
         gemm = GemmOptions(force=gemm.force, cache_dir=str(tmp_path))
     *_, compiled, expected, actual = _eager_and_compiled(family, torch.float32, 2, "eager", gemm=gemm)
     assert_close_to_eager(actual, expected, f"{family} 2 sockets")
-    gathers = _gathers(compiled)
+    gathers = all_gathers(backend_of(compiled))
     assert len(gathers) == 2   # one per socket program
     for step in gathers:
         assert (step.matmul is not None) == in_place

@@ -17,7 +17,7 @@ from numatp.runtime.segments import Collective, Segment
 from numatp.backend import backend_of
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
-from tests.helpers import assert_close_to_eager
+from tests.helpers import all_gathers, assert_close_to_eager
 
 pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
 
@@ -231,11 +231,6 @@ def test_shape_key_round_trip():
         assert GemmShape.from_key(shape.key) == shape
 
 
-def _gathers(backend):
-    return [s for g in backend.graphs for v in g.variants.values() for p in v.executor.programs
-            for s in p.steps if isinstance(s, Collective) and s.kind == "all_gather"]
-
-
 def test_a_gathered_lm_head_is_measured_into_the_full_logits_and_runs_in_place_where_aten_wins(tmp_path):
     """On 2 sockets gpt2's LM head (tied, column-parallel) is timed writing its columns of the full logits:
     ATen in place against each provider plus its copy. Where ATen wins, the gather runs the matmul in
@@ -251,11 +246,11 @@ def test_a_gathered_lm_head_is_measured_into_the_full_logits_and_runs_in_place_w
         torch._dynamo.reset()
         backend = _run("gpt2", torch.float32, 2, opts)
         assert backend.gemm.table.measured == 0
-        assert [s.matmul is not None for s in _gathers(backend)] == [in_place] * 2
+        assert [s.matmul is not None for s in all_gathers(backend)] == [in_place] * 2
     torch._dynamo.reset()
     one = _run("gpt2", torch.float32, 1, GemmOptions(providers=("aten", "onednn"), cache_dir=str(tmp_path / "one")))
     assert not any(GemmShape.from_key(k).into for k in GemmTable(tmp_path / "one").entries)   # no gather
-    assert not _gathers(one)
+    assert not all_gathers(one)
 
 
 def test_measure_all_times_every_provider_in_rounds():

@@ -35,9 +35,9 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from numatp.plan.ops import COLLECTIVES
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, PackInfo, Provider, best_provider,
                                  stand_in)
+from numatp.runtime.segments import gather_in_place
 
 __all__ = ["GemmChoice", "GemmOptions", "GemmSelector", "report_rows"]
 
@@ -277,22 +277,10 @@ def _site(node: torch.fx.Node, w: torch.fx.Node, ph: torch.fx.Node, layout: str,
 
 
 def _gathered_width(node: torch.fx.Node) -> int:
-    """The full width of the all-gather that takes this matmul's output (alone, through at most a view,
-    along the last dim, each socket's columns one interval: where ``numatp.runtime.segments`` lets an ATen
-    matmul write in place), else 0."""
-    v = node
-    if len(v.users) == 1 and next(iter(v.users)).target is aten.view.default:
-        v = next(iter(v.users))
-    if len(v.users) != 1:
-        return 0
-    g = next(iter(v.users))
-    if g.target is not COLLECTIVES[1]:
-        return 0
-    full, sets = g.meta.get("val"), g.meta.get("numatp_gather")
-    if full is None or sets is None or any(len(s.intervals) != 1 for s in sets) or \
-            g.args[1] % full.dim() != full.dim() - 1:
-        return 0
-    return int(full.shape[-1])
+    """The full width of the all-gather this matmul could write in place
+    (:func:`numatp.runtime.segments.gather_in_place`), else 0."""
+    g = gather_in_place(node)
+    return 0 if g is None else int(g.meta["val"].shape[-1])
 
 
 def _rewrite(gm: torch.fx.GraphModule, site: _Site, provider: str) -> None:

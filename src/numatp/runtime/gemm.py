@@ -255,11 +255,10 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
             for name, (provider, op) in timed.items():
                 if len(times[name]) >= max_calls:
                     continue
+                t0 = time.perf_counter()
                 if shape.into:   # a fresh full tensor per call, as per gather: its pages fault in
-                    t0 = time.perf_counter()
                     _call_into(provider, x, op, bias, shape.n, shape.k, x.new_empty(shape.m, shape.into))
                 else:
-                    t0 = time.perf_counter()
                     provider.call(x, op, bias, shape.n, shape.k)
                 dt = time.perf_counter() - t0
                 times[name].append(dt)

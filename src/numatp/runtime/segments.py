@@ -36,7 +36,7 @@ from numatp.runtime.collective import SocketComm
 from numatp.runtime.gemm import GEMM_OP, NATIVE, GemmStep
 from numatp.runtime.native import load_ops
 
-__all__ = ["Segment", "Collective", "GatheredMatmul", "split_program", "SegmentCompiler"]
+__all__ = ["Segment", "Collective", "GatheredMatmul", "gather_in_place", "split_program", "SegmentCompiler"]
 
 
 @dataclass
@@ -148,42 +148,51 @@ def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
     return placeholders, steps, outs
 
 
+def gather_in_place(mm: torch.fx.Node) -> torch.fx.Node | None:
+    """The all-gather a matmul's output could be written into in place, else None: the matmul's output
+    alone (or one view of it that splits rows only) is gathered along its last dim, and every socket's
+    columns are one interval. The GEMM pass times such a matmul as written there (``GemmShape.into``)."""
+    v = mm
+    if len(v.users) == 1 and next(iter(v.users)).target is torch.ops.aten.view.default:
+        v = next(iter(v.users))
+    if len(v.users) != 1:
+        return None
+    g = next(iter(v.users))
+    full, sets = g.meta.get("val"), g.meta.get("numatp_gather")
+    if g.target is not COLLECTIVES[1] or full is None or sets is None:
+        return None
+    if any(len(s.intervals) != 1 for s in sets) or g.args[1] % full.dim() != full.dim() - 1:
+        return None
+    if mm.meta["val"].shape[0] * full.shape[-1] != full.numel():   # the view splits rows only
+        return None
+    return g
+
+
 def _gathered_matmuls(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, GatheredMatmul], set[torch.fx.Node]]:
-    """The all-gathers that can compute their input in place: those of ``[view of] mm(x, W)`` or
-    ``addmm(b, x, W)`` along the last dim, with ``W`` a weight (a placeholder, or ``permute(W, [1, 0])`` /
-    ``t(W)`` of one) and every socket's columns one interval. Returns them with their
-    :class:`GatheredMatmul`, and the nodes the gathers take over (left out of the segments). Others (a
-    provider's ``numatp::linear``, an elementwise op after the matmul) keep the copy."""
+    """The all-gathers that can compute their input in place (:func:`gather_in_place`) of an ATen
+    ``mm(x, W)`` or ``addmm(b, x, W)``, with ``W`` a weight (a placeholder, or ``permute(W, [1, 0])`` /
+    ``t(W)`` of one). Returns them with their :class:`GatheredMatmul`, and the nodes the gathers take over
+    (left out of the segments). Others (a provider's ``numatp::linear``, an elementwise op after the
+    matmul) keep the copy."""
     aten = torch.ops.aten
     found: dict[torch.fx.Node, GatheredMatmul] = {}
     absorbed: set[torch.fx.Node] = set()
-    for g in [n for n in gm.graph.nodes if n.target is COLLECTIVES[1]]:
-        src, dim, sets = g.args[0], g.args[1], g.meta.get("numatp_gather")
-        full = g.meta.get("val")
-        if full is None or sets is None or any(len(s.intervals) != 1 for s in sets):
-            continue
-        if dim % full.dim() != full.dim() - 1:
-            continue
-        taken = [src]
-        mm = src
-        if mm.target is aten.view.default and len(mm.users) == 1:
-            mm = mm.args[0]
-            taken.append(mm)
-        if mm.target not in (aten.mm.default, aten.addmm.default) or mm.kwargs or len(mm.users) != 1:
+    for mm in [n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.addmm.default) and not n.kwargs]:
+        g = gather_in_place(mm)
+        if g is None:
             continue
         bias, x, wt = (None, *mm.args) if mm.target is aten.mm.default else mm.args
-        if mm.meta["val"].shape[0] * full.shape[-1] != full.numel():   # the view splits rows only
-            continue
+        taken = {mm, g.args[0]}   # the matmul and its view, if any
         if wt.op == "placeholder":
             w, transposed = wt, False
         elif (wt.target is aten.t.default or (wt.target is aten.permute.default and list(wt.args[1]) == [1, 0])) \
                 and wt.args[0].op == "placeholder" and len(wt.users) == 1:
             w, transposed = wt.args[0], True
-            taken.append(wt)
+            taken.add(wt)
         else:
             continue
         found[g] = GatheredMatmul(x.name, w.name, bias.name if bias is not None else None, transposed)
-        absorbed.update(taken)
+        absorbed |= taken
     return found, absorbed
 
 
