@@ -235,6 +235,7 @@ def test_process_bytes_by_node_sums_every_mapping(tmp_path):
         "7f2000000000 default huge anon=2 dirty=2 N0=2 kernelpagesize_kB=2048\n"
         "7f3000000000 default\n")
     assert process_bytes_by_node(maps) == {0: 7 * 4096 + 2 * (2 << 20), 1: 515 * 4096}
+    assert process_bytes_by_node(maps, anonymous=True) == {0: 2 * (2 << 20), 1: 512 * 4096}
     assert set(process_bytes_by_node()) <= set(range(1024))  # this process, on this machine
     with pytest.raises(PlacementError, match="no NUMA memory map"):
         process_bytes_by_node(tmp_path / "missing")

@@ -115,12 +115,16 @@ def pages_by_node(tensor: torch.Tensor) -> dict[int, int]:
     return dict(sorted(counts.items()))
 
 
-def process_bytes_by_node(numa_maps: str | Path = "/proc/self/numa_maps") -> dict[int, int]:
+def process_bytes_by_node(numa_maps: str | Path = "/proc/self/numa_maps", *,
+                          anonymous: bool = False) -> dict[int, int]:
     """Resident bytes of this process per NUMA node, summed over every mapping: ``{node: bytes}``.
 
     Read from ``numa_maps`` (``N<node>=<pages>`` per mapping, in that mapping's ``kernelpagesize_kB``).
     This sees memory that ``pages_by_node`` cannot: opaque tensors without a data pointer, such as the
     packed weights of oneDNN and MKL, whose node shows as the growth of this count when they are made.
+    ``anonymous=True`` counts only mappings without a backing file (heap and mmap'd buffers, where
+    tensors live): the page cache of mapped files, such as shared libraries' code, sits on the node of
+    whichever thread first read it and may be moved by the kernel's NUMA balancing at any time.
     Raises PlacementError where the file cannot be read (a kernel without NUMA).
     """
     try:
@@ -131,6 +135,8 @@ def process_bytes_by_node(numa_maps: str | Path = "/proc/self/numa_maps") -> dic
     out: dict[int, int] = {}
     for line in text.splitlines():
         fields = line.split()
+        if anonymous and any(f.startswith("file=") for f in fields):
+            continue
         page_kb = next((int(f.split("=", 1)[1]) for f in fields if f.startswith("kernelpagesize_kB=")), 4)
         for f in fields:
             if f[0] == "N" and "=" in f and f[1:f.index("=")].isdigit():
