@@ -29,15 +29,22 @@ def run_children(script: str, configs: list[tuple], argv: Callable[[tuple], list
     return rows
 
 
-def compiled_modes(model, cpus: int) -> dict[str, Callable[[], object]]:
+def compiled_modes(model, cpus: int, without: tuple[str, ...] = ()) -> dict[str, Callable[[], object]]:
     """How to compile each mode: torch.compile (the baseline), numatp on 1 and 2 virtual sockets, and on 4
-    where the process has 4 CPUs."""
+    where the process has 4 CPUs; with ``without``, numatp on 1 and 2 sockets again without those GEMM
+    providers (``numatp-1-without-gemv``), to see what they bring."""
     import torch
 
     import numatp
+    from numatp.plan.gemm_pass import GemmOptions
     from numatp.topology import Topology
 
     modes = {"baseline": lambda: torch.compile(model)}
     for n in (1, 2, 4) if cpus >= 4 else (1, 2):
         modes[f"numatp-{n}"] = lambda n=n: numatp.compile(model, sockets=Topology.virtual(sockets=n))
+    if without:
+        kept = GemmOptions(providers=tuple(p for p in GemmOptions().providers if p not in without))
+        for n in (1, 2):
+            modes[f"numatp-{n}-without-{'-'.join(without)}"] = lambda n=n: numatp.compile(
+                model, sockets=Topology.virtual(sockets=n), gemm=kept)
     return modes

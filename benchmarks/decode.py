@@ -47,7 +47,8 @@ def _probe(buf) -> float:
     return buf.numel() * buf.element_size() / best / 1e9
 
 
-def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds: int) -> dict:
+def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds: int,
+          without: tuple[str, ...] = ()) -> dict:
     import warnings
 
     import torch
@@ -63,7 +64,7 @@ def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds
     model = zoo.build(model_name, dtype=dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
-    builders = compiled_modes(model, cpus)
+    builders = compiled_modes(model, cpus, without)
     modes, tokens, compile_s = {}, {}, {}
     for name, build in builders.items():
         print(f"  compiling {name}", file=sys.stderr, flush=True)
@@ -117,15 +118,18 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
     p.add_argument("--rounds", type=int, default=3, help="timed generations per mode (default 3)")
+    p.add_argument("--without", nargs="+", default=[], metavar="PROVIDER",
+                   help="also time numatp on 1 and 2 sockets without these GEMM providers (e.g. gemv)")
     p.add_argument("--out", default=None, help="append the JSON lines to this file too")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "DTYPE"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(child(a.child[0], a.child[1], a.prompt, a.new_tokens, a.rounds)))
+        print(json.dumps(child(a.child[0], a.child[1], a.prompt, a.new_tokens, a.rounds, tuple(a.without))))
         return 0
     configs = [(m, d) for m in a.models for d in a.dtypes]
     rows = run_children(__file__, configs, lambda c: ["--child", *c, "--prompt", str(a.prompt), "--new-tokens",
-                                                      str(a.new_tokens), "--rounds", str(a.rounds)], a.out)
+                                                      str(a.new_tokens), "--rounds", str(a.rounds),
+                                                      *(["--without", *a.without] if a.without else [])], a.out)
     print("\ntok/s: decode tokens per second (median); tp1/base: numatp on 1 socket against torch.compile with a "
           "static cache (target >= 1); tp2/tp1: 2 virtual sockets against 1 (target >= 0.95); roof%: numatp's "
           "best decode against the bandwidth roofline (target >= 70%); TTFT: time to first token")
@@ -133,12 +137,23 @@ def main() -> int:
           f"{'tp2/tp1':>8} {'roof%':>6} {'TTFT base':>10} {'TTFT tp2':>9} {'greedy=':>8}")
     for r in rows:
         t = r["decode_tokens_per_s"]
-        best = max(v for k, v in r["roofline_share"].items() if k.startswith("numatp"))
+        best = max(v for k, v in r["roofline_share"].items() if k.startswith("numatp") and "-without-" not in k)
         same = all(r["greedy_equal_to_baseline"].values())
         print(f"{r['model']:<12} {r['dtype']:<9} {t['baseline']:>10.1f} {t['numatp-1']:>10.1f} {t['numatp-2']:>10.1f} "
               f"{r['numatp1_vs_baseline']:>9.3f} {r['vs_numatp1']['numatp-2']:>8.3f} {100 * best:>6.1f} "
               f"{1e3 * r['first_token_s']['baseline']:>8.0f}ms {1e3 * r['first_token_s']['numatp-2']:>7.0f}ms "
               f"{'yes' if same else 'no':>8}")
+    if a.without:
+        tag = "-".join(a.without)
+        print(f"\nwithout {' '.join(a.without)}: decode tok/s of numatp on 1 and 2 sockets without those providers, "
+              "against numatp with them")
+        for r in rows:
+            t, share = r["decode_tokens_per_s"], r["roofline_share"]
+            for n in (1, 2):
+                off = f"numatp-{n}-without-{tag}"
+                print(f"{r['model']:<12} {r['dtype']:<9} tp{n}: {t[off]:>8.1f} tok/s without, "
+                      f"{t[f'numatp-{n}']:>8.1f} with ({t[f'numatp-{n}'] / t[off]:.3f}x); roof% "
+                      f"{100 * share[off]:.1f} without, {100 * share[f'numatp-{n}']:.1f} with")
     return 0
 
 

@@ -114,22 +114,58 @@ def _check_no_cuts(backend, sockets):
 
 
 def test_native_linear_takes_each_providers_operand():
-    """numatp::linear (C++) on each provider's prepared operand equals the provider's Python call."""
+    """numatp::linear (C++) on each provider's operand, as a program passes it (the GEMM pass's _prepare),
+    equals the provider's Python call."""
+    from numatp.plan.gemm_pass import _prepare
+
     load_ops()
     g = torch.Generator().manual_seed(0)
-    for dtype, provider in CASES:
+    for dtype, provider in CASES + [(torch.float32, "gemv"), (torch.bfloat16, "gemv")]:
         for layout in ("nk", "kn"):
             x = torch.randn(5, 24, generator=g).to(dtype)
             w_nk = torch.randn(40, 24, generator=g).to(dtype)
-            w = w_nk if layout == "nk" else w_nk.t().contiguous().t()
+            stored = w_nk if layout == "nk" else w_nk.t().contiguous()
+            w = w_nk if layout == "nk" else stored.t()
             bias = torch.randn(40, generator=g).to(dtype)
             p = PROVIDERS[provider]
             op = p.prepare(w, 5)
+            operand = _prepare(p, stored, 5, layout)
             for b in (bias, None):
                 want = p.call(x, op, b, 40, 24)
-                got = torch.ops.numatp.linear(x, op, b, gemm_mod.NATIVE[provider], 40, 24)
+                got = torch.ops.numatp.linear(x, operand, b, gemm_mod.native_code(provider, layout), 40, 24)
                 assert got.dtype == dtype and got.shape == (5, 40)
                 torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{provider} {dtype} {layout}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_equals_a_float64_matmul_for_up_to_16_rows(dtype):
+    """numatp's GEMV on both weight layouts, with and without bias, for row counts around its blocks of
+    4 and sizes around its vector widths (16 fp32 lanes, 32 bf16 pairs, 64- and 512-column blocks)."""
+    p = PROVIDERS["gemv"]
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 2, 3, 4, 5, 8, 16):
+        for k, n in ((1, 1), (7, 3), (33, 70), (64, 600), (1000, 5), (130, 1100)):
+            for layout in ("nk", "kn"):
+                x = torch.randn(m, k, generator=g).to(dtype)
+                w = torch.randn(n, k, generator=g).to(dtype) if layout == "nk" else \
+                    torch.randn(k, n, generator=g).to(dtype).t()
+                for b in (torch.randn(n, generator=g).to(dtype), None):
+                    y = p.call(x, p.prepare(w, m), b, n, k)
+                    want = x.double() @ w.double().t() + (0 if b is None else b.double())
+                    # fp32 sums either way; bf16 adds one rounding of the result
+                    tol = dict(rtol=1e-5, atol=1e-5 * k) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+                    assert y.dtype == dtype and y.shape == (m, n)
+                    torch.testing.assert_close(y.double(), want, **tol, msg=f"m={m} k={k} n={n} {layout}")
+
+
+def test_gemv_takes_at_most_16_rows():
+    """Past 16 rows gemv refuses with the limit named (the C++ op) and measures 0 (so never chosen)."""
+    load_ops()
+    x, w = torch.randn(17, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="up to 16 rows"):
+        torch.ops.numatp.linear(x, w, None, gemm_mod.native_code("gemv", "nk"), 4, 8)
+    assert measure(PROVIDERS["gemv"], GemmShape(17, 8, 4, "float32", "nk", 1), min_seconds=0, max_calls=2) == 0
+    assert measure(PROVIDERS["gemv"], GemmShape(16, 8, 4, "float32", "nk", 1), min_seconds=0, max_calls=2) > 0
 
 
 def _check_forced(backend, provider):
@@ -140,6 +176,65 @@ def _check_forced(backend, provider):
         # every rewritten weight is held once, as its packed operand, however many input shapes the
         # model was compiled for
         assert backend.weights.report()["packed_tensors"] == len({(r["rank"], r["weight"]) for r in rows})
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forced_gemv_runs_the_matmuls_of_few_rows_and_leaves_more_to_aten(family, dtype, tmp_path):
+    # batch 2: 4 tokens are 8 rows (gemv, on GPT-2's (K, N) and Llama's (N, K) weights as stored), 16
+    # tokens 32 rows (past gemv's 16: ATen, on the same plain weights)
+    backend = _run(family, dtype, 2, GemmOptions(force="gemv", cache_dir=str(tmp_path)), seqs=(4, 16))
+    rows = backend.gemm_report()
+    assert {r["provider"] for r in rows if r["m"] <= 16} == {"gemv"}
+    assert {r["provider"] for r in rows if r["m"] > 16} == {"aten"}
+    assert backend.weights.report()["packed_tensors"] == 0
+
+
+def test_forced_gemv_under_inductor(tmp_path):
+    backend = _run("gpt2", torch.bfloat16, 2, GemmOptions(force="gemv", cache_dir=str(tmp_path)), seqs=(4,),
+                   mode="inductor")
+    _check_forced(backend, "gemv")
+    _check_no_cuts(backend, 2)
+
+
+def test_generation_chooses_each_weights_providers_for_the_prompt_and_the_decode_steps(tmp_path):
+    """With the decode steps to come in view, a weight whose prompt runs fastest packed but whose decode
+    steps run fastest on gemv keeps its plain weight (ATen for the prompt, gemv for the steps) when the
+    steps outweigh the prompt, and is packed for both when they do not; either way tokens equal eager."""
+    from numatp.runtime.gemm import GemmTable
+
+    model = zoo.build("gpt2", tiny=True)
+    ids = torch.randint(5, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    opts = GemmOptions(providers=("onednn_packed", "gemv"), cache_dir=str(tmp_path))
+
+    def generate(new_tokens):
+        torch._dynamo.reset()
+        fast = numatp.compile(model, sockets=Topology.virtual(sockets=2), gemm=opts, mode="eager")
+        got = fast.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        want = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want)
+        return backend_of(fast)
+
+    generate(4)   # measures every shape of the prompt (32 rows) and of a decode step (1 row)
+    keys = [GemmShape.from_key(k) for k in GemmTable(tmp_path).entries]
+    assert {s.m for s in keys} == {1, 32}
+    # rates that make the prompt 2x faster packed and a decode step 10x faster on gemv
+    GemmTable(tmp_path).put({s: {"aten": 1.0, "onednn_packed": 2.0, "gemv": 0.0} if s.m > 1 else
+                             {"aten": 1.0, "onednn_packed": 1.0, "gemv": 10.0} for s in keys})
+    # time in GFLOP / rate: the prompt's 32 rows cost 32 decode rows; packed saves 16 of them, gemv 0.9
+    # per step: 63 steps want gemv, 3 want packing
+    many = generate(64)
+    rows = many.gemm_report()
+    assert many.gemm.table.measured == 0
+    assert {r["provider"] for r in rows if r["m"] > 1} == {"aten"}
+    assert {r["provider"] for r in rows if r["m"] == 1} == {"gemv"}
+    assert many.weights.report()["packed_tensors"] == 0
+    few = generate(4)
+    rows = few.gemm_report()
+    assert {r["provider"] for r in rows if r["m"] > 1} == {"onednn_packed"}
+    # the decode step reads the packed operands; the LM head has one row in the prompt too (its last
+    # position): gemv for both
+    assert {r["provider"] for r in rows if r["m"] == 1} == {"onednn_packed", "gemv"}
 
 
 def test_cache_written_then_reused(tmp_path):

@@ -21,6 +21,7 @@ gathers one row per sequence.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
@@ -164,7 +165,7 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
         t0 = time.perf_counter()
         decode_start = None
         token = None
-        with _GuardSkip() as guards:
+        with _GuardSkip() as guards, _decode_ahead(backend, batch, max_new_tokens - 1):
             for step in range(max_new_tokens):
                 if step == 1:
                     decode_start = time.perf_counter()
@@ -194,6 +195,21 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     first = (decode_start or end) - t0
     return Generation(torch.cat(sequences, 1), prompt, len(sequences) - 1, first,
                       end - decode_start if decode_start is not None else 0.0)
+
+
+@contextlib.contextmanager
+def _decode_ahead(backend: Any, rows: int, steps: int):
+    """Tell numatp's GEMM selector, while the prompt and decode programs compile, that ``steps`` decode
+    steps of ``rows`` rows follow the prompt: it then chooses each weight's providers for both."""
+    selector = getattr(backend, "gemm", None)
+    if selector is None:
+        yield
+        return
+    previous, selector.decode = selector.decode, (rows, steps)
+    try:
+        yield
+    finally:
+        selector.decode = previous
 
 
 def _not_through_numatp(step: int, prompt: int, padded: int, length: int) -> str:

@@ -39,10 +39,11 @@ def test_compiled_tiny_gpt2_places_shards_and_matches_eager(topology):
 def test_packed_gemm_weight_is_made_in_its_socket_node(topology, provider):
     # Packed operands are opaque (no data pointer for pages_by_node), so their node is read from the
     # process's anonymous resident bytes per node (numa_maps): packing must add the weight's size, and
-    # freeing it must give those bytes back from the socket's own node. The free is what is measured:
-    # the guest's kernel balances NUMA and may move other pages between nodes while an emulated pack
-    # runs, which would blur a per-node growth, but not the instant of a free. 64 MiB: above glibc's
-    # largest mmap threshold, so the buffer is its own pages, returned to the kernel when freed.
+    # freeing it must give those bytes back from the socket's own node. The free is what is measured, and
+    # only totals elsewhere: the guest's kernel balances NUMA and moves other pages between nodes at any
+    # time (seen on 4 nodes: 21 MB from node 1 to node 2 within one free), which changes no total.
+    # Python's garbage is collected before each count, so the free is the packed weight's alone. 64 MiB:
+    # above glibc's largest mmap threshold, so the buffer is its own pages, returned to the kernel.
     import gc
 
     from numatp.placement import process_bytes_by_node
@@ -57,18 +58,20 @@ def test_packed_gemm_weight_is_made_in_its_socket_node(topology, provider):
     size = w.numel() * w.element_size()
     with SocketGroup(topology) as group:
         for rank, socket in enumerate(topology.sockets):
+            gc.collect()
             before = process_bytes_by_node(anonymous=True)
             made = group.run(lambda r: _prepare(PROVIDERS[provider], w, 64, "nk") if r == rank else None)
-            packed = process_bytes_by_node(anonymous=True)
             assert made[rank]._numatp_gemm.provider == provider
+            gc.collect()
+            packed = process_bytes_by_node(anonymous=True)
             grew = change(before, packed)
             assert sum(grew.values()) >= 0.9 * size, f"socket {rank} packed {size} bytes; grew per node {grew}"
             del made
-            gc.collect()
             freed = change(process_bytes_by_node(anonymous=True), packed)
             assert freed.get(socket.node, 0) >= 0.9 * size, \
                 f"socket {rank} (node {socket.node}) freed its {size}-byte packed weight; freed per node {freed}"
-            assert all(f < 0.1 * size for n, f in freed.items() if n != socket.node), freed
+            assert sum(freed.values()) < 1.2 * size, \
+                f"socket {rank} freed its {size}-byte packed weight; freed per node {freed}"
 
 
 def test_dense_gemm_operand_is_copied_onto_its_socket_node(topology):

@@ -6,7 +6,11 @@ Before the programs are cut into segments, :meth:`GemmSelector.apply`
 2. looks up each local shape's rates in the on-disk :class:`~numatp.runtime.gemm.GemmTable`, and measures
    the missing ones on the socket workers (pinned, all sockets at once, as they will run);
 3. keeps ``aten`` (the graph unchanged) unless another provider is faster by the margin; a weight whose
-   uses do not all agree stays ``aten``;
+   uses do not all agree stays ``aten``. A weight a program already reads as it is (its plain operand)
+   keeps it: later programs choose among the providers that read it so (``Provider.keeps_plain``), never
+   a second, packed copy. While a generation compiles (``GemmSelector.decode``), a prompt's weight is
+   chosen with its decode steps: one operand for both, or the plain weight with one provider for the
+   prompt's rows and another (``gemv``) for the steps', whichever takes less measured time in all;
 4. rewrites each chosen matmul to ``numatp::gemm(x, W, b, provider, layout)``; the split of the program
    (:mod:`numatp.runtime.segments`) makes it ``numatp::linear``, the provider's C++ op, inside its
    compiled segment (Inductor's own lowerings of the packed kernels want the weight as a graph constant,
@@ -27,7 +31,8 @@ anything but matmuls, or whose matmuls disagree on the provider, stays on ATen.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,7 +50,7 @@ log = logging.getLogger("numatp")
 aten = torch.ops.aten
 
 
-DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32")
+DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32", "gemv")
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,16 @@ class GemmSelector:
         self.table = GemmTable(self.options.cache_dir)
         self.choices: list[GemmChoice] = []
         self._timed: set[GemmShape] = set()   # shapes this selector measured itself
+        self.decode: tuple[int, int] | None = None
+        """``(rows, steps)`` while programs compiled now will be followed by ``steps`` decode steps of
+        ``rows`` rows each (:func:`numatp.generate` says so around a generation): a prompt's weight then
+        keeps its plain operand where a provider of the prompt's rows and another of the decode step's
+        (``gemv``) sharing it take less time in all than any one operand for both."""
+        self._plain: dict[int, tuple[weakref.ref, str | None]] = {}
+        """id of a plain weight operand that a program reads as it is -> (the operand, weakly: a plan built
+        and then dropped frees its shards; the provider chosen for it in the decode steps to come, if
+        any): later programs keep to the plain operand, so no weight is held twice."""
+        self._later: list[dict[str, str]] = []   # per rank of the last choice: placeholder -> decode provider
 
     def apply(self, group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]],
               weights: list[set[int]]) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list[dict[int, tuple]]]:
@@ -113,6 +128,11 @@ class GemmSelector:
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             for ph, group_sites in rank_sites.items():
                 prov = choice.providers[ph.name]
+                arg = args[rank][names.index(ph.name)]
+                if getattr(arg, "_numatp_gemm", None) is None and \
+                        choice.shapes[ph.name].layout in PROVIDERS[prov].keeps_plain:
+                    later = self._later[rank].get(ph.name) or self._planned(arg)[1]
+                    self._plain[id(arg)] = (weakref.ref(arg), later)
                 if prov == "aten":
                     continue
                 for site in group_sites:
@@ -155,30 +175,90 @@ class GemmSelector:
 
     def _choose(self, rank: int, gm: torch.fx.GraphModule, rank_sites: dict[torch.fx.Node, list[_Site]],
                 args: list[Any]) -> GemmChoice:
-        """Provider per weight placeholder: the one an operand was already prepared for, else measured."""
+        """Provider per weight placeholder: the one an operand was already prepared for; on a plain weight
+        another program reads as it is, the decode provider planned for it or one that also reads it as it
+        is; else measured (with the decode steps to come, when :attr:`decode` says so)."""
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         choice = GemmChoice(rank)
+        while len(self._later) <= rank:
+            self._later.append({})
+        later = self._later[rank] = {}
         for ph, group_sites in rank_sites.items():
-            info = getattr(args[names.index(ph.name)], "_numatp_gemm", None)
+            arg = args[names.index(ph.name)]
+            info = getattr(arg, "_numatp_gemm", None)
             s0 = group_sites[0].shape
-            choice.providers[ph.name] = info.provider if info else self._decide(group_sites)
+            if info:
+                prov = info.provider
+            elif self._planned(arg)[0]:
+                planned = self._planned(arg)[1]
+                prov = planned if planned and self._takes(planned, group_sites) else \
+                    self._decide(group_sites, plain=True)
+            elif self.decode and s0.m > self.decode[0] and not self.options.force:
+                prov, later[ph.name] = self._decide_with_decode(group_sites)
+            else:
+                prov = self._decide(group_sites)
+            choice.providers[ph.name] = prov
             choice.shapes[ph.name] = s0
             choice.rates[ph.name] = self.table.get(s0) or {}
         return choice
 
-    def _decide(self, sites: list[_Site]) -> str:
-        dtype = getattr(torch, sites[0].shape.dtype)
+    def _planned(self, arg: Any) -> tuple[bool, str | None]:
+        """Whether a program reads ``arg`` as its plain operand, and the decode provider planned for it."""
+        ref, later = self._plain.get(id(arg), (None, None))
+        return (True, later) if ref is not None and ref() is arg else (False, None)
+
+    def _allowed(self, sites: list[_Site], plain: bool = False) -> list[str]:
+        """The candidates that take every site's shape (with ``plain``, on the weight as it is)."""
+        return [p for p in ("aten", *self.options.providers) if self._takes(p, sites)
+                and (not plain or sites[0].shape.layout in PROVIDERS[p].keeps_plain)]
+
+    @staticmethod
+    def _takes(provider: str, sites: list[_Site]) -> bool:
+        return all(PROVIDERS[provider].runs(s.shape) for s in sites)
+
+    def _decide(self, sites: list[_Site], plain: bool = False) -> str:
         if self.options.force:
-            return self.options.force if dtype in PROVIDERS[self.options.force].dtypes else "aten"
-        allowed = [p for p in ("aten", *self.options.providers) if dtype in PROVIDERS[p].dtypes]
+            force = self.options.force
+            takes = self._takes(force, sites) and (not plain or sites[0].shape.layout in PROVIDERS[force].keeps_plain)
+            return force if takes else "aten"
+        allowed = self._allowed(sites, plain)
         picks = {best_provider(self.table.get(s.shape) or {}, allowed, margin=self.options.margin) for s in sites}
         return picks.pop() if len(picks) == 1 else "aten"
+
+    def _decide_with_decode(self, sites: list[_Site]) -> tuple[str, str | None]:
+        """A prompt's provider for a weight, and the decode steps' provider where they differ (sharing the
+        plain weight): the pair of least measured time for the prompt and :attr:`decode`'s steps. Either one
+        provider for both (its operand made once), or two that each read the plain weight as it is. A
+        pair replaces ATen-for-both only when faster by the margin."""
+        rows, steps = self.decode
+        decode = [replace(s, shape=replace(s.shape, m=rows)) for s in sites]
+
+        def seconds(p: str, ss: list[_Site]) -> float:
+            total = 0.0
+            for s in ss:
+                rate = (self.table.get(s.shape) or {}).get(p, 0.0)
+                if rate <= 0:
+                    return float("inf")
+                total += s.shape.flops / (rate * 1e9)
+            return total
+
+        pairs = [(p, p) for p in self._allowed(sites) if self._takes(p, decode)]
+        plain_prompt, plain_decode = self._allowed(sites, plain=True), self._allowed(decode, plain=True)
+        pairs += [(p, q) for p in plain_prompt for q in plain_decode if p != q]
+        cost = {pq: seconds(pq[0], sites) + steps * seconds(pq[1], decode) for pq in pairs}
+        best = min(cost, key=cost.get)
+        if cost[best] * self.options.margin >= cost.get(("aten", "aten"), float("inf")):
+            best = ("aten", "aten")
+        return best[0], (best[1] if best[1] != best[0] else None)
 
     def _measure(self, group: Any, sites: list[dict], args: list[list[Any]]) -> None:
         if self.options.force:
             return
         providers = ["aten", *[p for p in self.options.providers if p != "aten"]]
         wanted = [[s.shape for ss in rank_sites.values() for s in ss] for rank_sites in sites]
+        if self.decode:   # a prompt's weights are chosen for the decode steps too: their shapes as well
+            rows = self.decode[0]
+            wanted = [w + [replace(s, m=rows) for s in w if s.m > rows] for w in wanted]
         again = {s for w in wanted for s in w} - self._timed if self.options.remeasure else set()
         if not again and not any(self.table.get(s) is None for w in wanted for s in w):
             return

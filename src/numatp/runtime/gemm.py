@@ -11,6 +11,8 @@ answers differ), so numatp measures them:
 - ``onednn_packed``: the same op on a weight reordered once by ``mkldnn._reorder_linear_weight``;
 - ``mkl_packed``: ``mkl._mkl_linear`` on a weight packed once by ``mkl._mkl_reorder_linear_weight`` (fp32);
 - ``mkl_packed_f32``: for bf16, the same in fp32 on an upcast packed weight (twice the bytes);
+- ``gemv``: numatp's own kernel for up to 16 rows (a decode step), on the weight as stored, in C++
+  (``gemv.cpp``): it streams the weight once per call, where the others are built for many rows;
 - ``inductor_cpp``: Inductor's C++ GEMM template (max_autotune's CPU kernel) compiled per weight, which
   it blocks and packs as a graph constant; compiling makes it slow to measure, so it runs only when
   ``GemmOptions.providers`` names it.
@@ -45,7 +47,8 @@ log = logging.getLogger("numatp")
 
 __all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "measure_all", "cpu_signature", "ceilings",
            "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir", "GEMM_OP",
-           "GemmStep", "PackInfo", "gemm", "stand_in", "NATIVE"]
+           "GemmStep", "PackInfo", "gemm", "stand_in", "NATIVE", "native_code", "GEMV_MAX_ROWS",
+           "streamed_copies", "last_level_cache_bytes", "STREAM_MAX_BYTES"]
 
 mkldnn = torch.ops.mkldnn
 
@@ -97,6 +100,15 @@ class Provider:
     call: Callable[..., torch.Tensor]
     compiles: bool = False
     """``prepare`` compiles a kernel (seconds per weight): measured only when asked for, without a probe."""
+    max_rows: int | None = None
+    """The most rows of ``x`` it takes (``None``: any); a shape with more measures 0."""
+    keeps_plain: tuple[str, ...] = ()
+    """Layouts whose plain weight is the operand as it is (no copy, no packing), so that this provider
+    and another such one can share the weight: one for a prompt's many rows, one for a decode step's few."""
+
+    def runs(self, shape: GemmShape) -> bool:
+        """Whether it takes ``shape``'s dtype and rows at all."""
+        return getattr(torch, shape.dtype) in self.dtypes and (self.max_rows is None or shape.m <= self.max_rows)
 
 
 def _aten_call(x, w_nk, bias, n, k):
@@ -126,6 +138,25 @@ def _mkl_call(x, packed, bias, n, k):
     # the packing's M): a stride-0 stand-in keeps no second copy; gemm_pass checks that M matches
     stand_in = x.new_empty(1).expand(n, k)
     return torch.ops.mkl._mkl_linear(x, packed, stand_in, bias, x.shape[0])
+
+
+GEMV_MAX_ROWS = 16
+"""The most rows ``gemv`` takes (as ``kMaxRows`` in ``gemv.cpp``); more are left to the GEMM providers."""
+
+
+def _gemv_prepare(w_nk, m):
+    # the weight as stored, (N, K) or the transposed view of a (K, N) one: the kernel reads either
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv runs up to {GEMV_MAX_ROWS} rows, not {m}")
+    from numatp.runtime.native import load_ops
+    load_ops()
+    return w_nk
+
+
+def _gemv_call(x, w_nk, bias, n, k):
+    if w_nk.is_contiguous():
+        return torch.ops.numatp.linear(x, w_nk, bias, NATIVE["gemv"], n, k)
+    return torch.ops.numatp.linear(x, w_nk.t(), bias, NATIVE["gemv"] + 1, n, k)
 
 
 def _upcast_pack(w_nk, m):
@@ -187,17 +218,21 @@ class _TemplateGemm:
 
 
 PROVIDERS: dict[str, Provider] = {
-    "aten": Provider("aten", (torch.float32, torch.bfloat16), False, lambda w, m: w, _aten_call),
+    "aten": Provider("aten", (torch.float32, torch.bfloat16), False, lambda w, m: w, _aten_call,
+                     keeps_plain=("nk", "kn")),
     # oneDNN's linear takes a contiguous (N, K) weight: a Conv1D (K, N) weight gets a transposed copy
     # that replaces the plain one
     "onednn": Provider("onednn", (torch.float32, torch.bfloat16), False, lambda w, m: w.contiguous(),
-                       _onednn_call),
+                       _onednn_call, keeps_plain=("nk",)),
     "onednn_packed": Provider("onednn_packed", (torch.float32, torch.bfloat16), True,
                               lambda w, m: mkldnn._reorder_linear_weight(w.contiguous(), m), _onednn_call),
     "mkl_packed": Provider("mkl_packed", (torch.float32,), True, _mkl_pack, _mkl_call),
     # bf16 in and out, fp32 MKL on an fp32 packed weight: for CPUs without bf16 GEMM instructions
     # (AVX2), where torch's bf16 matmul falls back to slow loops. Its operand has twice the bf16 bytes.
     "mkl_packed_f32": Provider("mkl_packed_f32", (torch.bfloat16,), True, _upcast_pack, _upcast_call),
+    # numatp's kernel for decode steps: the plain weight, either layout, no copy
+    "gemv": Provider("gemv", (torch.float32, torch.bfloat16), False, _gemv_prepare, _gemv_call,
+                     max_rows=GEMV_MAX_ROWS, keeps_plain=("nk", "kn")),
     # Inductor's own C++ GEMM template (what max_autotune picks from on CPU); one compile per weight
     # makes it the costliest to measure, so GemmOptions leaves it out unless asked for
     "inductor_cpp": Provider("inductor_cpp", (torch.float32, torch.bfloat16), True, _TemplateGemm,
@@ -222,7 +257,12 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
                 max_calls: int = 20, seed: int = 0, max_call_seconds: float = 5.0) -> dict[str, float]:
     """GFLOP/s of each provider at ``shape``, as :func:`measure`, timed in rounds: every round calls each
     provider once, so a change of load on the machine slows all of them alike and the comparison that
-    picks one stays fair. Rounds go on until each provider has had ``min_seconds`` or ``max_calls``."""
+    picks one stays fair. Rounds go on until each provider has had ``min_seconds`` or ``max_calls``.
+
+    A shape of a few rows (``GEMV_MAX_ROWS`` or fewer: a decode step) streams its weight from memory
+    once per call, as a decode step does with every weight in turn; timed on one weight, the weight would
+    sit in cache and the rate would be the cache's. So each call reads the next of a ring of copies
+    whose bytes exceed twice the last-level cache (:func:`streamed_copies`)."""
     dtype = getattr(torch, shape.dtype)
     rates: dict[str, float] = {name: 0.0 for name in providers}
     g = torch.Generator().manual_seed(seed)
@@ -230,10 +270,12 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
     w = torch.randn(shape.n, shape.k, generator=g).to(dtype) if shape.layout == "nk" else \
         torch.randn(shape.k, shape.n, generator=g).to(dtype).t()
     bias = torch.randn(shape.n, generator=g).to(dtype)
-    timed: dict[str, tuple[Provider, torch.Tensor]] = {}
+    copies = streamed_copies(shape)
+    ring = [w] + [w.clone() if shape.layout == "nk" else w.t().clone().t() for _ in range(copies - 1)]
+    timed: dict[str, tuple[Provider, list[torch.Tensor]]] = {}
     with torch.inference_mode():
         for name, provider in providers.items():
-            if dtype not in provider.dtypes:
+            if not provider.runs(shape):
                 continue
             if shape.m > 32 and not provider.compiles:
                 probe = GemmShape(32, shape.k, shape.n, shape.dtype, shape.layout, shape.threads)
@@ -242,19 +284,22 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
                     rates[name] = rate
                     continue
             try:
-                op = provider.prepare(w, shape.m)
-                provider.call(x, op, bias, shape.n, shape.k)
+                ops = [provider.prepare(c, shape.m) for c in ring]
+                provider.call(x, ops[0], bias, shape.n, shape.k)
             except Exception as e:  # noqa: BLE001  (a kernel this CPU or torch cannot run measures 0)
                 log.debug("numatp: GEMM provider %s cannot run %s: %s", name, shape.key, e)
                 continue
-            timed[name] = (provider, op)
+            timed[name] = (provider, ops)
         times: dict[str, list[float]] = {name: [] for name in timed}
         spent = dict.fromkeys(timed, 0.0)
+        calls = 0
         while timed and any(len(times[n]) < max_calls and (len(times[n]) < 2 or spent[n] < min_seconds)
                             for n in timed):
-            for name, (provider, op) in timed.items():
+            calls += 1
+            for name, (provider, ops) in timed.items():
                 if len(times[name]) >= max_calls:
                     continue
+                op = ops[calls % len(ops)]
                 t0 = time.perf_counter()
                 if shape.into:   # a fresh full tensor per call, as per gather: its pages fault in
                     _call_into(provider, x, op, bias, shape.n, shape.k, x.new_empty(shape.m, shape.into))
@@ -266,6 +311,37 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
     for name, ts in times.items():
         rates[name] = shape.flops / statistics.median(ts) / 1e9
     return rates
+
+
+STREAM_MAX_BYTES = 512 << 20
+"""The most weight bytes in :func:`measure_all`'s ring of copies (:func:`streamed_copies`); each packed
+provider holds its own ring while the shape is measured (MKL's fp32 one for bf16, twice the bytes)."""
+
+
+def streamed_copies(shape: GemmShape) -> int:
+    """How many copies of the weight :func:`measure_all` cycles through at ``shape``: 1 for many rows; for
+    a decode step's few, enough to exceed twice the last-level cache (so each call reads from memory), at
+    most 64 and :data:`STREAM_MAX_BYTES`."""
+    if shape.m > GEMV_MAX_ROWS:
+        return 1
+    size = shape.k * shape.n * torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
+    want = min(2 * last_level_cache_bytes(), STREAM_MAX_BYTES)
+    return max(1, min(64, -(-want // max(size, 1))))
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of cpu0 (``/sys/devices/system/cpu/cpu0/cache``); 32 MiB where unreadable."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text.rstrip("KMGkmg")
+        if digits.isdigit():
+            sizes.append(int(digits) * unit)
+    return max(sizes, default=32 << 20)
 
 
 def cpu_signature() -> str:
@@ -422,9 +498,15 @@ def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, provider: str
 
 GEMM_OP = torch.ops.numatp.gemm.default
 
-NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2}
-"""Providers that ``numatp::linear`` (``ops.cpp``) runs in C++, by its provider code: a segment
-calls them without leaving compiled code. The others (``inductor_cpp``) stay a cut of the program."""
+NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2, "gemv": 3}
+"""Providers that ``numatp::linear`` (``ops.cpp``) runs in C++, by its provider code (:func:`native_code`):
+a segment calls them without leaving compiled code. The others (``inductor_cpp``) stay a cut of the program."""
+
+
+def native_code(provider: str, layout: str) -> int:
+    """``numatp::linear``'s code for ``provider`` on a weight operand stored in ``layout``: ``gemv`` reads
+    the plain weight either way (3 for (N, K), 4 for (K, N)); the others' operands are (N, K) or packed."""
+    return NATIVE[provider] + int(provider == "gemv" and layout == "kn")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """numatp's C++ library, compiled on first use with the compiler torch.compile's C++ backend uses.
 
-Two sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
-all-reduce, plain C functions that :mod:`numatp.runtime.collective` calls through ``ctypes``) and
+Three sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
+all-reduce, plain C functions that :mod:`numatp.runtime.collective` calls through ``ctypes``),
 ``ops.cpp`` (dispatcher ops that compiled segments call from their C++ wrapper without the GIL:
-``numatp::linear``, the GEMM providers, and ``numatp::socket_all_reduce``, the collective itself). It is built
+``numatp::linear``, the GEMM providers, and ``numatp::socket_all_reduce``, the collective itself) and
+``gemv.cpp`` (numatp's own kernel for a decode step's few rows, one of those providers). It is built
 with torch's headers, ABI and libraries (as torch's own C++ extensions are) into
 ``~/.cache/numatp/ext/``, keyed by the sources, the compiler, the flags, this CPU and the torch build, so
 a new CPU or torch builds again (about 10 s); a build writes a temporary file renamed into place, so
@@ -28,7 +29,7 @@ from numatp._cache import cache_dir
 __all__ = ["compiler", "build", "library_path", "load_ops"]
 
 _HERE = Path(__file__).parent
-SOURCES = ("collective.cpp", "ops.cpp")
+SOURCES = ("collective.cpp", "ops.cpp", "gemv.cpp")
 _lock = threading.Lock()
 _path: Path | None = None
 _ops_loaded = False

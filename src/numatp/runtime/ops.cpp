@@ -3,7 +3,7 @@
 // Inside a segment compiled by Inductor with cpp_wrapper, an op Inductor has no lowering for is called
 // through the dispatcher from the generated C++ (aoti_torch_call_dispatcher): these run in the segment
 // without the GIL and without a cut in the socket's program.
-//   numatp::linear      a weight matmul by a measured GEMM provider;
+//   numatp::linear      a weight matmul by a measured GEMM provider (numatp's own GEMV in gemv.cpp);
 //   numatp::socket_all_reduce  the sockets' reduction (collective.cpp, built into the same library).
 
 #include <ATen/ATen.h>
@@ -23,11 +23,16 @@
 // (opaque) one for oneDNN, MKL's packed buffer for the MKL providers. Provider codes match
 // numatp.runtime.gemm.NATIVE.
 
+// gemv.cpp: a few rows against the weight as stored, (N, K) or (K, N)
+at::Tensor numatp_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool kn);
+
 namespace {
 
 constexpr int64_t kOneDnn = 0;      // mkldnn::_linear_pointwise on a plain or packed (N, K) weight
 constexpr int64_t kMklPacked = 1;   // mkl::_mkl_linear on MKL's packed fp32 weight
 constexpr int64_t kMklPackedF32 = 2;  // the same for bf16 activations, computed in fp32
+constexpr int64_t kGemvNK = 3;      // numatp's GEMV on the plain (N, K) weight
+constexpr int64_t kGemvKN = 4;      // the same on a plain (K, N) weight (GPT-2's Conv1D)
 
 at::Tensor onednn(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   static auto op = c10::Dispatcher::singleton()
@@ -63,6 +68,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
       if (bias.has_value()) b32 = bias->to(at::kFloat);
       return mkl(x.to(at::kFloat), w, b32, n, k).to(x.scalar_type());
     }
+    case kGemvNK:
+    case kGemvKN:
+      return numatp_gemv(x, w, bias, provider == kGemvKN);
     default:
       TORCH_CHECK(false, "numatp::linear: unknown provider code ", provider);
   }

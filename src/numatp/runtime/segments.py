@@ -33,7 +33,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.plan.ops import COLLECTIVES
 from numatp.runtime.collective import SocketComm
-from numatp.runtime.gemm import GEMM_OP, NATIVE, GemmStep
+from numatp.runtime.gemm import GEMM_OP, NATIVE, GemmStep, native_code
 from numatp.runtime.native import load_ops
 
 __all__ = ["Segment", "Collective", "GatheredMatmul", "gather_in_place", "split_program", "SegmentCompiler"]
@@ -207,7 +207,7 @@ def _native_gemms(gm: torch.fx.GraphModule) -> None:
         val = n.meta["val"]
         with gm.graph.inserting_before(n):
             new = gm.graph.call_function(torch.ops.numatp.linear.default,
-                                         (x, w, b, NATIVE[provider], int(val.shape[1]), int(x.meta["val"].shape[1])))
+                                         (x, w, b, native_code(provider, layout), int(val.shape[1]), int(x.meta["val"].shape[1])))
         new.meta = dict(n.meta)
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
