@@ -58,6 +58,9 @@ def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds
     from numatp.generate import generate_timed
 
     warnings.filterwarnings("ignore")
+    # every mode compiles the same forward twice (the prompt and the decode step): more modes than
+    # Dynamo's default limit of 8 entries per code object allows
+    torch._dynamo.config.recompile_limit = 64
     cpus = len(os.sched_getaffinity(0))
     torch.set_num_threads(cpus)
     dtype = getattr(torch, dtype_name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import operator
+from dataclasses import replace
 
 import pytest
 import torch
@@ -178,6 +179,24 @@ def _check_forced(backend, provider):
         assert backend.weights.report()["packed_tensors"] == len({(r["rank"], r["weight"]) for r in rows})
 
 
+def test_gemv_leaves_the_socket_workers_thread_count_alone():
+    """A socket worker keeps its own thread count through gemv's first call on that thread, whatever count
+    another thread set since (the first at::parallel_for of a library on a thread would reset it to that)."""
+    from numatp.runtime import SocketGroup
+    from numatp.runtime.group import callers_threads
+
+    load_ops()
+    x, w = torch.randn(2, 64), torch.randn(64, 256)   # (K, N): the band split and its sum of partials
+    with callers_threads(), SocketGroup(Topology.virtual(sockets=1)) as group:
+        group.run(lambda r: torch.set_num_threads(2))
+        torch.set_num_threads(1)   # as generate does on the calling thread for its token loop
+        got = group.run(lambda r: (torch.ops.numatp.linear(x, w, None, gemm_mod.native_code("gemv", "kn"), 256, 64),
+                                   torch.get_num_threads()))
+    y, threads = got[0]
+    assert threads == 2
+    torch.testing.assert_close(y, x @ w)
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forced_gemv_runs_the_matmuls_of_few_rows_and_leaves_more_to_aten(family, dtype, tmp_path):
@@ -200,16 +219,17 @@ def test_forced_gemv_under_inductor(tmp_path):
 def test_generation_chooses_each_weights_providers_for_the_prompt_and_the_decode_steps(tmp_path):
     """With the decode steps to come in view, a weight whose prompt runs fastest packed but whose decode
     steps run fastest on gemv keeps its plain weight (ATen for the prompt, gemv for the steps) when the
-    steps outweigh the prompt, and is packed for both when they do not; either way tokens equal eager."""
+    steps outweigh the prompt, and is packed for both when they do not; with GemmOptions(first_token=True)
+    the prompt chooses alone; every way, tokens equal eager."""
     from numatp.runtime.gemm import GemmTable
 
     model = zoo.build("gpt2", tiny=True)
     ids = torch.randint(5, 100, (1, 8), generator=torch.Generator().manual_seed(0))
     opts = GemmOptions(providers=("onednn_packed", "gemv"), cache_dir=str(tmp_path))
 
-    def generate(new_tokens):
+    def generate(new_tokens, options=opts):
         torch._dynamo.reset()
-        fast = numatp.compile(model, sockets=Topology.virtual(sockets=2), gemm=opts, mode="eager")
+        fast = numatp.compile(model, sockets=Topology.virtual(sockets=2), gemm=options, mode="eager")
         got = fast.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         want = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want)
@@ -235,6 +255,9 @@ def test_generation_chooses_each_weights_providers_for_the_prompt_and_the_decode
     # the decode step reads the packed operands; the LM head has one row in the prompt too (its last
     # position): gemv for both
     assert {r["provider"] for r in rows if r["m"] == 1} == {"onednn_packed", "gemv"}
+    # GemmOptions(first_token=True): the prompt's own choice, whatever the steps
+    first = generate(64, replace(opts, first_token=True))
+    assert {r["provider"] for r in first.gemm_report() if r["m"] > 1} == {"onednn_packed"}
 
 
 def test_cache_written_then_reused(tmp_path):

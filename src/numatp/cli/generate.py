@@ -38,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--sample", action="store_true", help="sample (the model's generation config) instead of greedy")
     p.add_argument("--baseline", action="store_true",
                    help="also generate with torch.compile (same static cache and loop) and compare")
+    p.add_argument("--first-token", action="store_true",
+                   help="choose each weight's GEMM provider for the prompt alone (the fastest time to first "
+                        "token) instead of for the prompt and the decode steps together (the least total time)")
     p.add_argument("--tiny", action="store_true", help="use the preset's shrunken test config (seconds, not minutes)")
     p.set_defaults(run=run)
     return p
@@ -105,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     runs = []
     if args.baseline:
         runs.append(("torch.compile", torch.compile(model)))
-    runs.append((f"numatp {topo.num_sockets} sockets", numatp.compile(model, sockets=topo)))
+    gemm = numatp.GemmOptions(first_token=True) if args.first_token else None
+    runs.append((f"numatp {topo.num_sockets} sockets", numatp.compile(model, sockets=topo, gemm=gemm)))
     results = {}
     for name, compiled in runs:
         _say(f"{name}: compiling the prompt and the decode step (first generation, untimed)")

@@ -66,6 +66,11 @@ class GemmOptions:
     """Folder of the measured-rate table; ``None``: ``~/.cache/numatp``."""
     margin: float = 1.05
     """A provider replaces ``aten`` only when measured faster by this factor."""
+    first_token: bool = False
+    """When generating, choose each weight for the prompt alone (the fastest time to first token), the
+    decode steps taking what the prompt left, instead of for the prompt and its decode steps together (the
+    least time for the whole generation, which may run the prompt slower, e.g. on ATen instead of a
+    packed weight, to decode on ``gemv``)."""
     remeasure: bool = False
     """Time every shape again (once per selector) instead of trusting the on-disk table, e.g. when its
     rates were taken on a busy machine; ``numatp calibrate --remeasure-gemm`` re-times the whole table."""
@@ -193,7 +198,7 @@ class GemmSelector:
                 planned = self._planned(arg)[1]
                 prov = planned if planned and self._takes(planned, group_sites) else \
                     self._decide(group_sites, plain=True)
-            elif self.decode and s0.m > self.decode[0] and not self.options.force:
+            elif self.decode and s0.m > self.decode[0] and not self.options.force and not self.options.first_token:
                 prov, later[ph.name] = self._decide_with_decode(group_sites)
             else:
                 prov = self._decide(group_sites)

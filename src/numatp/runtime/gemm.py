@@ -20,7 +20,7 @@ answers differ), so numatp measures them:
 Packed weights are opaque tensors (``layout=torch._mkldnn``) or MKL's buffers: a packed provider replaces
 the plain shard, and compiled segments call it through ``numatp::linear`` (``ops.cpp``; see
 :mod:`numatp.plan.gemm_pass`). Rates are GFLOP/s (``2 M K N``
-per call), keyed by ``(dtype, M, K, N, layout, threads)`` in ``gemm-<cpu signature>.json``; the
+per call), keyed by ``(dtype, M, K, N, layout, threads)`` in ``gemm-<cpu signature>-v<format>.json``; the
 signature hashes the CPU's model and flags and the torch version, so another CPU re-measures.
 """
 
@@ -321,12 +321,12 @@ provider holds its own ring while the shape is measured (MKL's fp32 one for bf16
 def streamed_copies(shape: GemmShape) -> int:
     """How many copies of the weight :func:`measure_all` cycles through at ``shape``: 1 for many rows; for
     a decode step's few, enough to exceed twice the last-level cache (so each call reads from memory), at
-    most 64 and :data:`STREAM_MAX_BYTES`."""
+    most 4096 copies and :data:`STREAM_MAX_BYTES`."""
     if shape.m > GEMV_MAX_ROWS:
         return 1
     size = shape.k * shape.n * torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
     want = min(2 * last_level_cache_bytes(), STREAM_MAX_BYTES)
-    return max(1, min(64, -(-want // max(size, 1))))
+    return max(1, min(4096, -(-want // max(size, 1))))
 
 
 def last_level_cache_bytes() -> int:
@@ -366,6 +366,12 @@ def cpu_signature() -> str:
 default_cache_dir = cache_dir  # ``~/.cache/numatp`` (``$XDG_CACHE_HOME/numatp`` where that is set)
 
 
+TABLE_FORMAT = 2
+"""Part of the table's file name: a change of how rates are measured starts a new table (2: shapes of
+few rows are timed streaming their weight, see :func:`measure_all`), so no choice compares rates taken
+one way against rates taken the other."""
+
+
 class GemmTable:
     """The measured rates of this CPU: ``{shape key: {provider: GFLOP/s}}`` in one JSON file.
 
@@ -374,7 +380,7 @@ class GemmTable:
     """
 
     def __init__(self, cache_dir: str | os.PathLike | None = None):
-        self.path = Path(cache_dir or default_cache_dir()) / f"gemm-{cpu_signature()}.json"
+        self.path = Path(cache_dir or default_cache_dir()) / f"gemm-{cpu_signature()}-v{TABLE_FORMAT}.json"
         self._lock = threading.Lock()
         self.entries: dict[str, dict[str, float]] = self._read()
         self.measured = 0   # shapes measured by this table (not served from the file)

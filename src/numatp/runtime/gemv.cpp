@@ -16,7 +16,6 @@
 // products where present, else AVX-512 or AVX2 with FMA on bf16 widened to fp32, else scalar loops.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -26,6 +25,9 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
 #endif
 
 namespace gemv_kernels {
@@ -97,6 +99,36 @@ template <typename T>
 inline vf vload(const T* p, int) { return to_float(*p); }
 inline void vstore(float* p, vf a) { *p = a; }
 #endif
+
+// f(begin, end) on each thread of the caller's OpenMP team, over contiguous parts of [0, count).
+// OpenMP itself, not at::parallel_for: the first at::parallel_for a library makes on a thread resets that
+// thread's thread count to the process-wide value torch last set on any thread (at::init_num_threads),
+// which undid a socket worker's own count (measured: a 2-thread socket ran its whole decode step, MKL
+// included, on 1 thread after the caller had set 1 for its token loop, 0.6x).
+template <typename F>
+void parallel(int64_t count, int64_t grain, F&& f) {
+#ifdef _OPENMP
+  const int64_t threads = std::min<int64_t>(omp_get_max_threads(), (count + grain - 1) / grain);
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t t = omp_get_thread_num(), all = omp_get_num_threads();
+      const int64_t begin = count * t / all, end = count * (t + 1) / all;
+      if (begin < end) f(begin, end);
+    }
+    return;
+  }
+#endif
+  f(0, count);
+}
+
+inline int64_t team_size() {
+#ifdef _OPENMP
+  return omp_in_parallel() ? 1 : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
 
 // Software prefetch of the weight ahead of the loads: measured on an AVX-512 Xeon (2 threads, 48
 // weights of 8 MiB), it takes the "nk" loop from 17-21 to 20-27 GB/s and the "kn" one from 15-16 to
@@ -174,9 +206,9 @@ void dot_block(const T* x, const T* w, const T* bias, T* y, int64_t k, int64_t n
 
 template <typename T, int MR>
 void nk_rows(const T* x, const T* w, const T* bias, T* y, int64_t k, int64_t n) {
-  // blocks of 4 weight rows; at::parallel_for hands each thread one contiguous range of them
+  // blocks of 4 weight rows, each thread one contiguous range of them
   const int64_t blocks = (n + 3) / 4;
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+  parallel(blocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = 4 * b;
       if (n0 + 4 <= n) {
@@ -244,14 +276,14 @@ template <typename T, int MR>
 void kn_rows(const T* x, const T* w, const T* bias, T* y, int64_t k, int64_t n) {
   // bands of whole groups of 4 rows, at most one per thread
   const int64_t groups = (k + 3) / 4;
-  const int64_t bands = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), groups));
+  const int64_t bands = std::max<int64_t>(1, std::min<int64_t>(team_size(), groups));
   std::vector<float> part(static_cast<size_t>(bands * MR * n));
-  at::parallel_for(0, bands, 1, [&](int64_t b0, int64_t b1) {
+  parallel(bands, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       kn_band<T, MR>(x, w, part.data() + b * MR * n, k, n, std::min(k, 4 * (groups * b / bands)),
                      std::min(k, 4 * (groups * (b + 1) / bands)));
   });
-  at::parallel_for(0, n, 256, [&](int64_t c0, int64_t c1) {
+  parallel(n, 256, [&](int64_t c0, int64_t c1) {
     for (int r = 0; r < MR; ++r)
       for (int64_t c = c0; c < c1; ++c) {
         float sum = 0.f;
