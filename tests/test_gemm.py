@@ -345,8 +345,41 @@ def test_preview_chooses_like_apply_without_touching_the_programs(tmp_path):
 
 
 def test_shape_key_round_trip():
-    for shape in (GemmShape(512, 768, 2304, "bfloat16", "kn", 8), GemmShape(512, 768, 2304, "float32", "nk", 1, 4608)):
+    for shape in (GemmShape(512, 768, 2304, "bfloat16", "kn", 8), GemmShape(512, 768, 2304, "float32", "nk", 1, 4608),
+                  GemmShape(1, 768, 2304, "float32", "nk", 1, 4608, True), GemmShape(2, 768, 2304, "float32", "nk", 1,
+                                                                                   stream=True)):
         assert GemmShape.from_key(shape.key) == shape
+
+
+def test_a_few_row_matmul_streams_its_weight_only_in_a_program_past_the_cache(monkeypatch):
+    """A decode step's matmul is timed on a ring of weight copies (its weight comes from memory) only where
+    the program's weights outgrow a quarter of the last-level cache; a tiny model's stays in cache, as in
+    its real decode steps, and is timed on one weight."""
+    from numatp.plan.gemm_pass import _find_sites
+    from numatp.runtime.gemm import last_level_cache_bytes, streamed_copies, streams
+
+    llc = last_level_cache_bytes()
+    assert streams(1, llc) and streams(16, llc) and not streams(17, llc) and not streams(1, llc // 8)
+    shape = GemmShape(1, 1024, 1024, "float32", "nk", 1, stream=True)   # a 4 MiB weight
+    assert streamed_copies(replace(shape, stream=False)) == 1
+    monkeypatch.setattr(gemm_mod, "_available_bytes", lambda: 64 << 30)
+    assert streamed_copies(shape) * (4 << 20) >= min(2 * llc, gemm_mod.STREAM_MAX_BYTES)
+    monkeypatch.setattr(gemm_mod, "_available_bytes", lambda: 32 * (8 << 20))   # little memory: 8 MiB a ring
+    assert streamed_copies(shape) == 2
+    # a tiny gpt2's decode-sized program: no site streams; with the cache said to be 1 KiB, every one does
+    from numatp.plan import capture, plan_graph
+    from numatp.plan.localize import localize
+    from numatp.plan.reference import bind_inputs
+
+    model = zoo.build("gpt2", tiny=True)
+    ((ag, inputs),) = capture(model, **zoo.example_inputs(model, batch=1, seq=4))
+    prog = localize(ag, plan_graph(ag, 1), 0)
+    args = bind_inputs(prog.bindings, inputs, 0)
+    found = _find_sites(prog.gm, args, prog.weight_indices, 1)
+    assert found and not any(s.shape.stream for ss in found.values() for s in ss)
+    monkeypatch.setattr(gemm_mod, "last_level_cache_bytes", lambda: 1024)
+    found = _find_sites(prog.gm, args, prog.weight_indices, 1)
+    assert all(s.shape.stream for ss in found.values() for s in ss)
 
 
 def test_a_gathered_lm_head_is_measured_into_the_full_logits_and_runs_in_place_where_aten_wins(tmp_path):

@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, PackInfo, Provider, best_provider,
-                                 stand_in)
+                                 stand_in, streams)
 from numatp.runtime.segments import gather_in_place
 
 __all__ = ["GemmChoice", "GemmOptions", "GemmSelector", "report_rows"]
@@ -88,6 +88,7 @@ class _Site:
     weight: torch.fx.Node      # the placeholder
     bias: torch.fx.Node | None
     shape: GemmShape
+    weight_bytes: int = 0   # of the program's weights: whether a few-row call finds its weight in cache
 
 
 @dataclass
@@ -198,7 +199,7 @@ class GemmSelector:
                 planned = self._planned(arg)[1]
                 prov = planned if planned and self._takes(planned, group_sites) else \
                     self._decide(group_sites, plain=True)
-            elif self.decode and s0.m > self.decode[0] and not self.options.force and not self.options.first_token:
+            elif self._with_decode() and s0.m > self.decode[0]:
                 prov, later[ph.name] = self._decide_with_decode(group_sites)
             else:
                 prov = self._decide(group_sites)
@@ -206,6 +207,10 @@ class GemmSelector:
             choice.shapes[ph.name] = s0
             choice.rates[ph.name] = self.table.get(s0) or {}
         return choice
+
+    def _with_decode(self) -> bool:
+        """Whether a prompt's weights are chosen with the decode steps to come."""
+        return self.decode is not None and not self.options.force and not self.options.first_token
 
     def _planned(self, arg: Any) -> tuple[bool, str | None]:
         """Whether a program reads ``arg`` as its plain operand, and the decode provider planned for it."""
@@ -235,8 +240,8 @@ class GemmSelector:
         plain weight): the pair of least measured time for the prompt and :attr:`decode`'s steps. Either one
         provider for both (its operand made once), or two that each read the plain weight as it is. A
         pair replaces ATen-for-both only when faster by the margin."""
-        rows, steps = self.decode
-        decode = [replace(s, shape=replace(s.shape, m=rows)) for s in sites]
+        steps = self.decode[1]
+        decode = [replace(s, shape=self._decode_shape(s)) for s in sites]
 
         def seconds(p: str, ss: list[_Site]) -> float:
             total = 0.0
@@ -256,14 +261,20 @@ class GemmSelector:
             best = ("aten", "aten")
         return best[0], (best[1] if best[1] != best[0] else None)
 
+    def _decode_shape(self, site: _Site) -> GemmShape:
+        """``site``'s shape in the decode steps to come (:attr:`decode`'s rows)."""
+        rows = self.decode[0]
+        return replace(site.shape, m=rows, stream=streams(rows, site.weight_bytes))
+
     def _measure(self, group: Any, sites: list[dict], args: list[list[Any]]) -> None:
         if self.options.force:
             return
         providers = ["aten", *[p for p in self.options.providers if p != "aten"]]
         wanted = [[s.shape for ss in rank_sites.values() for s in ss] for rank_sites in sites]
-        if self.decode:   # a prompt's weights are chosen for the decode steps too: their shapes as well
+        if self._with_decode():   # a prompt's weights are chosen for the decode steps too: their shapes as well
             rows = self.decode[0]
-            wanted = [w + [replace(s, m=rows) for s in w if s.m > rows] for w in wanted]
+            wanted = [w + [self._decode_shape(s) for ss in rank_sites.values() for s in ss if s.shape.m > rows]
+                      for w, rank_sites in zip(wanted, sites)]
         again = {s for w in wanted for s in w} - self._timed if self.options.remeasure else set()
         if not again and not any(self.table.get(s) is None for w in wanted for s in w):
             return
@@ -320,6 +331,9 @@ def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int], th
     (``GemmShape.into``)."""
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     plain = [stand_in(a) for a in args]
+    # the weight bytes one call reads: whether a few-row matmul finds its weight in cache (GemmShape.stream)
+    weight_bytes = sum(plain[i].numel() * plain[i].element_size() for i in weights
+                       if isinstance(plain[i], torch.Tensor))
     FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in plain])
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out: dict[torch.fx.Node, list[_Site]] = {}
@@ -331,11 +345,11 @@ def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int], th
             if u.target in (aten.permute.default, aten.t.default) and (u.target is aten.t.default
                                                                         or list(u.args[1]) == [1, 0]):
                 for v in u.users:
-                    site = _site(v, u, ph, "nk", threads, gathers)
+                    site = _site(v, u, ph, "nk", threads, gathers, weight_bytes)
                     ok = ok and site is not None
                     sites.append(site)
             else:
-                site = _site(u, ph, ph, "kn", threads, gathers)
+                site = _site(u, ph, ph, "kn", threads, gathers, weight_bytes)
                 ok = ok and site is not None
                 sites.append(site)
         if ok and sites:
@@ -344,7 +358,7 @@ def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int], th
 
 
 def _site(node: torch.fx.Node, w: torch.fx.Node, ph: torch.fx.Node, layout: str, threads: int,
-          gathers: bool = False) -> _Site | None:
+          gathers: bool = False, weight_bytes: int = 0) -> _Site | None:
     if node.target is aten.mm.default and node.args[1] is w and node.args[0] is not w:
         x, bias = node.args[0], None
     elif (node.target is aten.addmm.default and node.args[2] is w and not node.kwargs
@@ -357,8 +371,8 @@ def _site(node: torch.fx.Node, w: torch.fx.Node, ph: torch.fx.Node, layout: str,
         return None
     n, k = (wv.shape[0], wv.shape[1]) if layout == "nk" else (wv.shape[1], wv.shape[0])
     shape = GemmShape(int(xv.shape[0]), int(k), int(n), str(wv.dtype).removeprefix("torch."), layout, threads,
-                      _gathered_width(node) if gathers else 0)
-    return _Site(node, x, ph, bias, shape)
+                      _gathered_width(node) if gathers else 0, streams(int(xv.shape[0]), weight_bytes))
+    return _Site(node, x, ph, bias, shape, weight_bytes)
 
 
 def _gathered_width(node: torch.fx.Node) -> int:

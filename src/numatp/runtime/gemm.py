@@ -48,7 +48,7 @@ log = logging.getLogger("numatp")
 __all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "measure_all", "cpu_signature", "ceilings",
            "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir", "GEMM_OP",
            "GemmStep", "PackInfo", "gemm", "stand_in", "NATIVE", "native_code", "GEMV_MAX_ROWS",
-           "streamed_copies", "last_level_cache_bytes", "STREAM_MAX_BYTES"]
+           "streamed_copies", "streams", "last_level_cache_bytes", "STREAM_MAX_BYTES"]
 
 mkldnn = torch.ops.mkldnn
 
@@ -67,18 +67,21 @@ class GemmShape:
     """Nonzero: the output is gathered into a full tensor of this many columns (a column-parallel LM
     head). Each call then writes its N columns there: ``aten`` in place (``torch.mm(..., out=)``), any
     other provider by a copy of its own output, so the rates compare what the gather will run."""
+    stream: bool = False
+    """The weight comes from memory, not cache, at every call: a decode step's few rows in a program whose
+    weights outgrow the cache (:func:`streams`). Timed on a ring of copies (:func:`measure_all`)."""
 
     @property
     def key(self) -> str:
         return f"{self.dtype}|{self.m}|{self.k}|{self.n}|{self.layout}|t{self.threads}" + \
-            (f"|into{self.into}" if self.into else "")
+            (f"|into{self.into}" if self.into else "") + ("|stream" if self.stream else "")
 
     @classmethod
     def from_key(cls, key: str) -> GemmShape:
         """The shape a table key names (the inverse of :attr:`key`)."""
-        dtype, m, k, n, layout, threads, *into = key.split("|")
-        return cls(int(m), int(k), int(n), dtype, layout, int(threads.removeprefix("t")),
-                   int(into[0].removeprefix("into")) if into else 0)
+        dtype, m, k, n, layout, threads, *more = key.split("|")
+        into = next((int(f.removeprefix("into")) for f in more if f.startswith("into")), 0)
+        return cls(int(m), int(k), int(n), dtype, layout, int(threads.removeprefix("t")), into, "stream" in more)
 
     @property
     def flops(self) -> int:
@@ -259,10 +262,10 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
     provider once, so a change of load on the machine slows all of them alike and the comparison that
     picks one stays fair. Rounds go on until each provider has had ``min_seconds`` or ``max_calls``.
 
-    A shape of a few rows (``GEMV_MAX_ROWS`` or fewer: a decode step) streams its weight from memory
-    once per call, as a decode step does with every weight in turn; timed on one weight, the weight would
-    sit in cache and the rate would be the cache's. So each call reads the next of a ring of copies
-    whose bytes exceed twice the last-level cache (:func:`streamed_copies`)."""
+    A :attr:`GemmShape.stream` shape (a decode step's few rows, its weight read from memory at every call
+    as a decode step reads every weight in turn) would sit in cache if timed on one weight, and the rate
+    would be the cache's: each call reads the next of a ring of copies past the last-level cache
+    (:func:`streamed_copies`)."""
     dtype = getattr(torch, shape.dtype)
     rates: dict[str, float] = {name: 0.0 for name in providers}
     g = torch.Generator().manual_seed(seed)
@@ -318,15 +321,36 @@ STREAM_MAX_BYTES = 512 << 20
 provider holds its own ring while the shape is measured (MKL's fp32 one for bf16, twice the bytes)."""
 
 
+def streams(m: int, weight_bytes: int) -> bool:
+    """Whether a matmul of ``m`` rows in a program reading ``weight_bytes`` of weights per call takes its
+    weight from memory: few rows (at most ``GEMV_MAX_ROWS``: nothing reuses a weight within the call) and
+    weights past a quarter of the last-level cache (between two reads of one weight, all the others pass
+    through; a quarter, not all, because a cache shared with other cores and tenants keeps less than its
+    size, and a virtual machine may report the host's)."""
+    return m <= GEMV_MAX_ROWS and weight_bytes > last_level_cache_bytes() // 4
+
+
 def streamed_copies(shape: GemmShape) -> int:
-    """How many copies of the weight :func:`measure_all` cycles through at ``shape``: 1 for many rows; for
-    a decode step's few, enough to exceed twice the last-level cache (so each call reads from memory), at
-    most 4096 copies and :data:`STREAM_MAX_BYTES`."""
-    if shape.m > GEMV_MAX_ROWS:
+    """How many copies of the weight :func:`measure_all` cycles through at ``shape``: 1 unless it streams;
+    else enough to pass twice the last-level cache, within :data:`STREAM_MAX_BYTES`, 1/32 of the memory
+    available now (every provider holds a ring, and every socket measures at once), and 1024 copies."""
+    if not shape.stream:
         return 1
     size = shape.k * shape.n * torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
-    want = min(2 * last_level_cache_bytes(), STREAM_MAX_BYTES)
-    return max(1, min(4096, -(-want // max(size, 1))))
+    want = min(2 * last_level_cache_bytes(), STREAM_MAX_BYTES, _available_bytes() // 32)
+    return max(1, min(1024, -(-want // max(size, 1))))
+
+
+def _available_bytes() -> int:
+    """``MemAvailable`` of ``/proc/meminfo``; 8 GiB where unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 << 30
 
 
 def last_level_cache_bytes() -> int:

@@ -206,8 +206,9 @@ def _native_gemms(gm: torch.fx.GraphModule) -> None:
         x, w, b, provider, layout = n.args
         val = n.meta["val"]
         with gm.graph.inserting_before(n):
+            code = native_code(provider, layout)
             new = gm.graph.call_function(torch.ops.numatp.linear.default,
-                                         (x, w, b, native_code(provider, layout), int(val.shape[1]), int(x.meta["val"].shape[1])))
+                                         (x, w, b, code, int(val.shape[1]), int(x.meta["val"].shape[1])))
         new.meta = dict(n.meta)
         n.replace_all_uses_with(new)
         gm.graph.erase_node(n)
