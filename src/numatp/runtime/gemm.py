@@ -295,6 +295,9 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
             timed[name] = (provider, ops)
         times: dict[str, list[float]] = {name: [] for name in timed}
         spent = dict.fromkeys(timed, 0.0)
+        # providers that read the plain weight share the ring's copies: each starts at its own place in
+        # it, so none reads a copy another has just brought into cache
+        start = {name: i * len(ring) // len(timed) for i, name in enumerate(timed)}
         calls = 0
         while timed and any(len(times[n]) < max_calls and (len(times[n]) < 2 or spent[n] < min_seconds)
                             for n in timed):
@@ -302,7 +305,7 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
             for name, (provider, ops) in timed.items():
                 if len(times[name]) >= max_calls:
                     continue
-                op = ops[calls % len(ops)]
+                op = ops[(start[name] + calls) % len(ops)]
                 t0 = time.perf_counter()
                 if shape.into:   # a fresh full tensor per call, as per gather: its pages fault in
                     _call_into(provider, x, op, bias, shape.n, shape.k, x.new_empty(shape.m, shape.into))
