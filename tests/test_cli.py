@@ -146,6 +146,20 @@ def test_generate_prints_first_token_and_decode_speed(cli):
     assert first_ms > 0 and tokens_per_s > 0 and ms_per_token == pytest.approx(1e3 / tokens_per_s, rel=1e-2)
 
 
+def test_generate_first_token_chooses_gemm_providers_for_the_prompt_alone(cli, monkeypatch):
+    import numatp
+
+    fresh_dynamo()
+    seen = []
+    compile_ = numatp.compile
+    monkeypatch.setattr(numatp, "compile", lambda *a, **kw: seen.append(kw.get("gemm")) or compile_(*a, **kw))
+    code, out, err = cli("generate", "gpt2", "--tiny", "--prompt-len", "8", "--new-tokens", "2", "--sockets", "1",
+                         "--first-token")
+    assert code == 0, err
+    assert [g.first_token for g in seen] == [True]
+    assert any(line.startswith("numatp 1 sockets") for line in out.splitlines())
+
+
 def test_generate_refuses_text_without_a_tokenizer(cli):
     code, _, err = cli("generate", "gpt2", "--tiny", "--prompt", "hello")
     assert code == 2 and "--prompt needs a checkpoint folder with a tokenizer" in err and "--prompt-len" in err
