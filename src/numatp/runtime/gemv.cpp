@@ -2,7 +2,7 @@
 //
 // A decode step reads every weight once for one token per sequence, so its matmuls are bound by how fast
 // the weight streams from memory. Measured on a 2-core AVX-512/AMX Xeon (2 threads, 48 distinct bf16
-// weights of 8 MiB, one row): ATen 3.6-8 GB/s, oneDNN on a packed weight 11.7-16.1, this kernel 17.3-19.4
+// weights of 8 MiB, one row): ATen 5.4-12.0 GB/s, oneDNN on a packed weight 11.7-16.1, this one 17.3-19.4
 // (fp32: every provider and this one 19-22). It reads the weight as the model stores it (no copy, no
 // packing):
 //
