@@ -356,7 +356,8 @@ def test_a_few_row_matmul_streams_its_weight_only_in_a_program_past_the_cache(mo
     the program's weights outgrow a quarter of the last-level cache; a tiny model's stays in cache, as in
     its real decode steps, and is timed on one weight."""
     from numatp.plan.gemm_pass import _find_sites
-    from numatp.runtime.gemm import last_level_cache_bytes, streamed_copies, streams
+    from numatp.runtime.gemm import streamed_copies, streams
+    from numatp.topology.resources import last_level_cache_bytes
 
     llc = last_level_cache_bytes()
     assert streams(1, llc) and streams(16, llc) and not streams(17, llc) and not streams(1, llc // 8)

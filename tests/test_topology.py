@@ -182,3 +182,15 @@ def test_every_topo_option_has_help():
     sub = next(a for a in parser._actions if a.dest == "command").choices["topo"]
     assert sub.description
     assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
+
+
+def test_last_level_cache_is_the_largest_cache_of_cpu0(tmp_path):
+    from numatp.topology.resources import last_level_cache_bytes, memory_available
+
+    cache = tmp_path / "devices/system/cpu/cpu0/cache"
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "105M")):
+        (cache / index).mkdir(parents=True)
+        (cache / index / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == 105 << 20
+    assert last_level_cache_bytes(tmp_path / "none") == 32 << 20   # nothing to read: the stated default
+    assert memory_available() > 0   # Linux: /proc/meminfo

@@ -99,6 +99,7 @@ class GemmChoice:
     providers: dict[str, str] = field(default_factory=dict)      # placeholder -> provider
     rates: dict[str, dict[str, float]] = field(default_factory=dict)  # placeholder -> provider -> GFLOP/s
     shapes: dict[str, GemmShape] = field(default_factory=dict)
+    later: dict[str, str] = field(default_factory=dict)   # placeholder -> provider planned for decode steps
 
 
 class GemmSelector:
@@ -118,7 +119,6 @@ class GemmSelector:
         """id of a plain weight operand that a program reads as it is -> (the operand, weakly: a plan built
         and then dropped frees its shards; the provider chosen for it in the decode steps to come, if
         any): later programs keep to the plain operand, so no weight is held twice."""
-        self._later: list[dict[str, str]] = []   # per rank of the last choice: placeholder -> decode provider
 
     def apply(self, group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]],
               weights: list[set[int]]) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list[dict[int, tuple]]]:
@@ -134,10 +134,11 @@ class GemmSelector:
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             for ph, group_sites in rank_sites.items():
                 prov = choice.providers[ph.name]
-                arg = args[rank][names.index(ph.name)]
-                if getattr(arg, "_numatp_gemm", None) is None and \
-                        choice.shapes[ph.name].layout in PROVIDERS[prov].keeps_plain:
-                    later = self._later[rank].get(ph.name) or self._planned(arg)[1]
+                idx = names.index(ph.name)
+                arg = args[rank][idx]
+                prepared = getattr(arg, "_numatp_gemm", None) is not None
+                if not prepared and choice.shapes[ph.name].layout in PROVIDERS[prov].keeps_plain:
+                    later = choice.later.get(ph.name) or self._planned(arg)[1]
                     self._plain[id(arg)] = (weakref.ref(arg), later)
                 if prov == "aten":
                     continue
@@ -146,10 +147,8 @@ class GemmSelector:
                 for u in list(ph.users):  # transposes only the rewritten matmuls read
                     if u.target in (aten.permute.default, aten.t.default) and not u.users:
                         gm.graph.erase_node(u)
-                idx = names.index(ph.name)
-                if getattr(args[rank][idx], "_numatp_gemm", None) is None:
-                    todo[rank][idx] = (PROVIDERS[prov], args[rank][idx], choice.shapes[ph.name].m,
-                                       choice.shapes[ph.name].layout)
+                if not prepared:
+                    todo[rank][idx] = (PROVIDERS[prov], arg, choice.shapes[ph.name].m, choice.shapes[ph.name].layout)
             gm.graph.lint()
             gm.recompile()
         nodes = [s.node if group.binds_memory else None for s in group.topology.sockets]
@@ -186,21 +185,20 @@ class GemmSelector:
         is; else measured (with the decode steps to come, when :attr:`decode` says so)."""
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         choice = GemmChoice(rank)
-        while len(self._later) <= rank:
-            self._later.append({})
-        later = self._later[rank] = {}
         for ph, group_sites in rank_sites.items():
             arg = args[names.index(ph.name)]
             info = getattr(arg, "_numatp_gemm", None)
             s0 = group_sites[0].shape
+            plain, planned = self._planned(arg)
             if info:
                 prov = info.provider
-            elif self._planned(arg)[0]:
-                planned = self._planned(arg)[1]
-                prov = planned if planned and self._takes(planned, group_sites) else \
+            elif plain:
+                prov = planned if planned and self._fits(planned, group_sites) else \
                     self._decide(group_sites, plain=True)
             elif self._with_decode() and s0.m > self.decode[0]:
-                prov, later[ph.name] = self._decide_with_decode(group_sites)
+                prov, later = self._decide_with_decode(group_sites)
+                if later:
+                    choice.later[ph.name] = later
             else:
                 prov = self._decide(group_sites)
             choice.providers[ph.name] = prov
@@ -219,18 +217,17 @@ class GemmSelector:
 
     def _allowed(self, sites: list[_Site], plain: bool = False) -> list[str]:
         """The candidates that take every site's shape (with ``plain``, on the weight as it is)."""
-        return [p for p in ("aten", *self.options.providers) if self._takes(p, sites)
-                and (not plain or sites[0].shape.layout in PROVIDERS[p].keeps_plain)]
+        return [p for p in ("aten", *self.options.providers) if self._fits(p, sites, plain)]
 
     @staticmethod
-    def _takes(provider: str, sites: list[_Site]) -> bool:
-        return all(PROVIDERS[provider].runs(s.shape) for s in sites)
+    def _fits(provider: str, sites: list[_Site], plain: bool = False) -> bool:
+        """Whether ``provider`` takes every site's shape (with ``plain``, on the weight as it is)."""
+        p = PROVIDERS[provider]
+        return all(p.runs(s.shape) for s in sites) and (not plain or sites[0].shape.layout in p.keeps_plain)
 
     def _decide(self, sites: list[_Site], plain: bool = False) -> str:
         if self.options.force:
-            force = self.options.force
-            takes = self._takes(force, sites) and (not plain or sites[0].shape.layout in PROVIDERS[force].keeps_plain)
-            return force if takes else "aten"
+            return self.options.force if self._fits(self.options.force, sites, plain) else "aten"
         allowed = self._allowed(sites, plain)
         picks = {best_provider(self.table.get(s.shape) or {}, allowed, margin=self.options.margin) for s in sites}
         return picks.pop() if len(picks) == 1 else "aten"
@@ -252,7 +249,7 @@ class GemmSelector:
                 total += s.shape.flops / (rate * 1e9)
             return total
 
-        pairs = [(p, p) for p in self._allowed(sites) if self._takes(p, decode)]
+        pairs = [(p, p) for p in self._allowed(sites) if self._fits(p, decode)]
         plain_prompt, plain_decode = self._allowed(sites, plain=True), self._allowed(decode, plain=True)
         pairs += [(p, q) for p in plain_prompt for q in plain_decode if p != q]
         cost = {pq: seconds(pq[0], sites) + steps * seconds(pq[1], decode) for pq in pairs}

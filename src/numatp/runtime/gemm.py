@@ -42,13 +42,15 @@ from pathlib import Path
 import torch
 
 from numatp._cache import cache_dir
+from numatp.topology.resources import last_level_cache_bytes
+from numatp.topology.resources import memory_available as _available_bytes
 
 log = logging.getLogger("numatp")
 
 __all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "measure_all", "cpu_signature", "ceilings",
            "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir", "GEMM_OP",
            "GemmStep", "PackInfo", "gemm", "stand_in", "NATIVE", "native_code", "GEMV_MAX_ROWS",
-           "streamed_copies", "streams", "last_level_cache_bytes", "STREAM_MAX_BYTES"]
+           "streamed_copies", "streams", "STREAM_MAX_BYTES"]
 
 mkldnn = torch.ops.mkldnn
 
@@ -158,8 +160,8 @@ def _gemv_prepare(w_nk, m):
 
 def _gemv_call(x, w_nk, bias, n, k):
     if w_nk.is_contiguous():
-        return torch.ops.numatp.linear(x, w_nk, bias, NATIVE["gemv"], n, k)
-    return torch.ops.numatp.linear(x, w_nk.t(), bias, NATIVE["gemv"] + 1, n, k)
+        return torch.ops.numatp.linear(x, w_nk, bias, native_code("gemv", "nk"), n, k)
+    return torch.ops.numatp.linear(x, w_nk.t(), bias, native_code("gemv", "kn"), n, k)
 
 
 def _upcast_pack(w_nk, m):
@@ -340,35 +342,9 @@ def streamed_copies(shape: GemmShape) -> int:
     if not shape.stream:
         return 1
     size = shape.k * shape.n * torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
-    want = min(2 * last_level_cache_bytes(), STREAM_MAX_BYTES, _available_bytes() // 32)
+    free = _available_bytes()
+    want = min(2 * last_level_cache_bytes(), STREAM_MAX_BYTES, STREAM_MAX_BYTES if free is None else free // 32)
     return max(1, min(1024, -(-want // max(size, 1))))
-
-
-def _available_bytes() -> int:
-    """``MemAvailable`` of ``/proc/meminfo``; 8 GiB where unreadable."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 8 << 30
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache of cpu0 (``/sys/devices/system/cpu/cpu0/cache``); 32 MiB where unreadable."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            text = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
-        digits = text.rstrip("KMGkmg")
-        if digits.isdigit():
-            sizes.append(int(digits) * unit)
-    return max(sizes, default=32 << 20)
 
 
 def cpu_signature() -> str:

@@ -22,6 +22,7 @@ import transformers
 from transformers import PretrainedConfig
 from transformers.initialization import no_init_weights
 
+from numatp.topology.resources import memory_available as _available_bytes
 from numatp.zoo._presets import FULL, MLP_KIND, TINY
 
 __all__ = ["PRESETS", "build", "can_generate", "config", "describe", "example_inputs"]
@@ -128,18 +129,6 @@ def _check_attn(attn_implementation: str) -> None:
             f"attn_implementation={attn_implementation!r} is not supported: the zoo builds "
             f"{' or '.join(repr(a) for a in _ATTN_IMPLEMENTATIONS)}; pass one of those"
         )
-
-
-def _available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), or None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _check_memory(name: str, cfg: PretrainedConfig, *, head: bool, dtype: torch.dtype) -> None:
