@@ -25,15 +25,16 @@ def sysfs_root():
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
-    """GEMM rates and profiles go to a folder of this test session, never to the user's ~/.cache (CLI
-    subprocesses inherit the variable)."""
-    old = os.environ.get("XDG_CACHE_HOME")
+    """GEMM rates, profiles and the C++ library go to a folder of this test session, never to the user's
+    cache (CLI subprocesses inherit the variables)."""
+    saved = {k: os.environ.pop(k, None) for k in ("XDG_CACHE_HOME", "NUMATP_CACHE_DIR")}
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
     yield
-    if old is None:
-        os.environ.pop("XDG_CACHE_HOME", None)
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture

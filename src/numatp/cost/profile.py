@@ -121,7 +121,7 @@ class MachineProfile:
 
 def default_profile_path() -> Path:
     """Where ``numatp calibrate`` saves this host's profile: ``~/.cache/numatp/profile-<hostname>.json``
-    (``$XDG_CACHE_HOME/numatp`` where that is set, beside the GEMM table)."""
+    (beside the GEMM table, wherever :func:`numatp._cache.cache_dir` says)."""
     return cache_dir() / f"profile-{_socket.gethostname()}.json"
 
 

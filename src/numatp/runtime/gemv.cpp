@@ -11,12 +11,13 @@
 //   "kn" (GPT-2 Conv1D, (K, N) rows): each weight row scales into partial outputs, four weight rows at
 //        a time, each thread over its own band of rows; the bands' partials are added at the end.
 //
-// Up to kMaxRows rows of x, in passes of up to 4 (past 4 the weight is read again per pass). Sums are in
-// fp32 (bf16 products are exact in fp32), the bias is added in fp32 and the result rounded once to x's
-// dtype. The vector width is this CPU's (the library is built with -march=native): AVX512-BF16 dot
+// Any number of rows of x, in passes of up to 4 (past 4 the weight is read again per pass; ops.cpp calls
+// it for up to 16). Sums are in fp32 (bf16 products are exact in fp32), the bias is added in fp32 and the
+// result rounded once to x's dtype (to nearest, ties to even, as torch rounds). The vector width is this CPU's (the library is built with -march=native): AVX512-BF16 dot
 // products where present, else AVX-512 or AVX2 with FMA on bf16 widened to fp32, else scalar loops.
 
-#include <ATen/ATen.h>
+// No torch headers: plain pointers in and out (ops.cpp checks the tensors and calls numatp_gemv_rows_*),
+// so this file compiles in about a second, not the fifteen ATen's headers take.
 
 #include <algorithm>
 #include <cstdint>
@@ -33,10 +34,25 @@
 
 namespace gemv_kernels {
 
-constexpr int64_t kMaxRows = 16;
+// bfloat16 as stored: the high half of an fp32
+struct bf16 {
+  std::uint16_t bits;
+  bf16() = default;
+  explicit bf16(float f) {   // to nearest, ties to even; NaN stays a (quiet) NaN
+    std::uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    bits = f != f ? std::uint16_t(0x7FC0) : std::uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+};
+static_assert(sizeof(bf16) == 2);
 
 inline float to_float(float v) { return v; }
-inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
+inline float to_float(bf16 v) {
+  const std::uint32_t u = std::uint32_t(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
 
 // one output: the fp32 sum plus the bias, rounded once to T
 template <typename T>
@@ -53,12 +69,12 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vset(float v) { return _mm512_set1_ps(v); }
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vload(const c10::BFloat16* p) {
+inline vf vload(const bf16* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline vf vload(const float* p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
-inline vf vload(const c10::BFloat16* p, int n) {
+inline vf vload(const bf16* p, int n) {
   __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -76,7 +92,7 @@ inline float vsum(vf a) {
   return _mm_cvtss_f32(s);
 }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vf vload(const c10::BFloat16* p) {
+inline vf vload(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
@@ -102,7 +118,7 @@ inline void vstore(float* p, vf a) { *p = a; }
 #endif
 
 // f(begin, end) on each thread of the caller's OpenMP team, over contiguous parts of [0, count).
-// OpenMP itself, not at::parallel_for: the first at::parallel_for a library makes on a thread resets that
+// OpenMP itself, not ATen's parallel_for: the first at::parallel_for a library makes on a thread resets that
 // thread's thread count to the process-wide value torch last set on any thread (at::init_num_threads),
 // which undid a socket worker's own count (measured: a 2-thread socket ran its whole decode step, MKL
 // included, on 1 thread after the caller had set 1 for its token loop, 0.6x).
@@ -144,7 +160,7 @@ inline void ahead(const void* p) { __builtin_prefetch(p, 0, 3); }
 template <typename T, int MR, int NR>
 void dot_block(const T* x, const T* w, const T* bias, T* y, int64_t k, int64_t n0, int64_t ldo) {
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (std::is_same_v<T, bf16>) {
     // pairs of bf16 products summed into fp32 lanes: 32 elements of K per instruction
     __m512 acc[MR][NR];
     for (int r = 0; r < MR; ++r)
@@ -311,38 +327,19 @@ void rows(const T* x, const T* w, const T* bias, T* y, int64_t m, int64_t k, int
 
 }  // namespace gemv_kernels
 
-// x (M, K) @ W + bias for M <= 16: W is (N, K) (kn = false) or (K, N) (kn = true), of x's dtype.
-at::Tensor numatp_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool kn) {
-  using gemv_kernels::kMaxRows;
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "numatp gemv: x and the weight must be 2-D, got ", x.sizes(), " and ",
-              w.sizes());
-  const int64_t m = x.size(0), k = x.size(1);
-  const int64_t n = kn ? w.size(1) : w.size(0);
-  TORCH_CHECK((kn ? w.size(0) : w.size(1)) == k, "numatp gemv: x is (", m, ", ", k, ") but the ",
-              kn ? "(K, N)" : "(N, K)", " weight is ", w.sizes());
-  TORCH_CHECK(m <= kMaxRows, "numatp gemv: runs up to ", kMaxRows, " rows (a decode step), got ", m,
-              "; use a GEMM provider for more");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
-                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              "numatp gemv: float32 or bfloat16, x and weight alike; got ", x.scalar_type(), " and ",
-              w.scalar_type());
-  std::optional<at::Tensor> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "numatp gemv: the bias has ", bias->numel(), " elements, the output ", n,
-                " columns");
-    b = bias->to(x.scalar_type()).contiguous();
-  }
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor wc = w.contiguous();   // as stored: a copy only for a weight that is a strided view
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m > 0 && n > 0) {
-    if (x.scalar_type() == at::kFloat) {
-      gemv_kernels::rows(xc.data_ptr<float>(), wc.data_ptr<float>(), b ? b->data_ptr<float>() : nullptr,
-                        y.data_ptr<float>(), m, k, n, kn);
-    } else {
-      gemv_kernels::rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(),
-                        b ? b->data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(), m, k, n, kn);
-    }
-  }
-  return y;
+// y (M, N) = x (M, K) @ W (+ bias), all contiguous: W is (N, K) (kn = 0) or (K, N) (kn = 1); bias may be null
+extern "C" {
+
+void numatp_gemv_rows_f32(const float* x, const float* w, const float* bias, float* y, std::int64_t m,
+                          std::int64_t k, std::int64_t n, int kn) {
+  gemv_kernels::rows(x, w, bias, y, m, k, n, kn != 0);
 }
+
+void numatp_gemv_rows_bf16(const std::uint16_t* x, const std::uint16_t* w, const std::uint16_t* bias,
+                           std::uint16_t* y, std::int64_t m, std::int64_t k, std::int64_t n, int kn) {
+  using gemv_kernels::bf16;
+  gemv_kernels::rows(reinterpret_cast<const bf16*>(x), reinterpret_cast<const bf16*>(w),
+                     reinterpret_cast<const bf16*>(bias), reinterpret_cast<bf16*>(y), m, k, n, kn != 0);
+}
+
+}  // extern "C"

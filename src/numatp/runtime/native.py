@@ -7,9 +7,10 @@ all-reduce, plain C functions that :mod:`numatp.runtime.collective` calls throug
 ``gemv.cpp`` (numatp's own kernel for a decode step's few rows, one of those providers). It is built
 with torch's headers, ABI and libraries (as torch's own C++ extensions are) into
 ``~/.cache/numatp/ext/``, keyed by the sources, the compiler, the flags, this CPU and the torch build, so
-a new CPU or torch builds again (about 10 s); a build writes a temporary file renamed into place, so
-processes building at once never load half a library. ``ctypes`` and ``torch.ops.load_library`` open the
-same file, hence the same code and the same per-thread state.
+a new CPU or torch builds again (about 15 s: the sources compile at once, ops.cpp's torch headers take
+most of it); a build writes a temporary file renamed into place, so processes building at once never
+load half a library. ``ctypes`` and ``torch.ops.load_library`` open the same file, hence the same code
+and the same per-thread state.
 """
 
 from __future__ import annotations
@@ -65,13 +66,24 @@ def build(sources: tuple[str, ...] = SOURCES) -> Path:
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-    os.close(fd)
-    proc = subprocess.run([cxx, *flags, *map(str, srcs), "-o", tmp, *libs], capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"numatp: compiling {', '.join(sources)} with {cxx} failed:\n{proc.stderr[-4000:]}")
-    os.replace(tmp, target)   # atomic: another process building the same key at once finds a whole file
+    with tempfile.TemporaryDirectory(dir=folder) as work:
+        # each source to an object at once (the sources' compile times add up otherwise: ops.cpp alone
+        # takes most of it, for torch's headers), then one link into a file renamed into place
+        objects = [Path(work) / f"{src.stem}.o" for src in srcs]
+        compiling = [(src, subprocess.Popen([cxx, *flags, "-c", str(src), "-o", str(obj)],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                     for src, obj in zip(srcs, objects)]
+        failed = [(src, err) for src, proc in compiling
+                  for _, err in [proc.communicate()] if proc.returncode != 0]   # all finish first
+        if failed:
+            src, err = failed[0]
+            raise RuntimeError(f"numatp: compiling {src.name} with {cxx} failed:\n{err[-4000:]}")
+        tmp = Path(work) / target.name
+        proc = subprocess.run([cxx, "-shared", *map(str, objects), "-o", str(tmp), *libs],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"numatp: linking {', '.join(sources)} with {cxx} failed:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, target)   # atomic: another process building the same key at once finds a whole file
     return target
 
 
@@ -81,7 +93,7 @@ def _flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
     from torch.utils.cpp_extension import include_paths
 
     lib = Path(torch.__file__).parent / "lib"
-    flags = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+    flags = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c++20",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
              *(f"-isystem{p}" for p in include_paths()))
     return flags, (f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu")

@@ -6,8 +6,14 @@
 //   numatp::linear      a weight matmul by a measured GEMM provider (numatp's own GEMV in gemv.cpp);
 //   numatp::socket_all_reduce  the sockets' reduction (collective.cpp, built into the same library).
 
-#include <ATen/ATen.h>
+// Only the headers used (Tensor's methods, the few functions called, the dispatcher), not ATen/ATen.h's
+// every operator: the library is compiled on first use, also in the emulated guest of the numa suite.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <torch/library.h>
 
 #include <cerrno>
@@ -23,8 +29,13 @@
 // (opaque) one for oneDNN, MKL's packed buffer for the MKL providers. Provider codes match
 // numatp.runtime.gemm.NATIVE.
 
-// gemv.cpp: a few rows against the weight as stored, (N, K) or (K, N)
-at::Tensor numatp_gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool kn);
+// gemv.cpp: y (M, N) = x (M, K) @ W (+ bias) on contiguous buffers, W (N, K) or (K, N) (kn = 1)
+extern "C" {
+void numatp_gemv_rows_f32(const float* x, const float* w, const float* bias, float* y, std::int64_t m,
+                          std::int64_t k, std::int64_t n, int kn);
+void numatp_gemv_rows_bf16(const std::uint16_t* x, const std::uint16_t* w, const std::uint16_t* bias,
+                           std::uint16_t* y, std::int64_t m, std::int64_t k, std::int64_t n, int kn);
+}
 
 namespace {
 
@@ -55,6 +66,43 @@ at::Tensor mkl(const at::Tensor& x, const at::Tensor& packed, const std::optiona
   return op.call(x, packed, stand_in, bias, x.size(0));
 }
 
+constexpr int64_t kGemvMaxRows = 16;   // numatp.runtime.gemm.GEMV_MAX_ROWS: a decode step's rows
+
+// numatp's GEMV: a few rows against the weight as the model stores it, (N, K) or (K, N) (kn)
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool kn) {
+  TORCH_CHECK(w.dim() == 2, "numatp gemv: the weight must be 2-D, got ", w.sizes());
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t n = kn ? w.size(1) : w.size(0);
+  TORCH_CHECK((kn ? w.size(0) : w.size(1)) == k, "numatp gemv: x is (", m, ", ", k, ") but the ",
+              kn ? "(K, N)" : "(N, K)", " weight is ", w.sizes());
+  TORCH_CHECK(m <= kGemvMaxRows, "numatp gemv: runs up to ", kGemvMaxRows, " rows (a decode step), got ", m,
+              "; use a GEMM provider for more");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "numatp gemv: float32 or bfloat16, x and weight alike; got ", x.scalar_type(), " and ",
+              w.scalar_type());
+  std::optional<at::Tensor> b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "numatp gemv: the bias has ", bias->numel(), " elements, the output ", n,
+                " columns");
+    b = bias->to(x.scalar_type()).contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor wc = w.contiguous();   // as stored: a copy only for a weight that is a strided view
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m > 0 && n > 0) {
+    if (x.scalar_type() == at::kFloat) {
+      numatp_gemv_rows_f32(xc.const_data_ptr<float>(), wc.const_data_ptr<float>(),
+                           b ? b->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), m, k, n, kn);
+    } else {
+      auto bits = [](const at::Tensor& t) { return static_cast<const std::uint16_t*>(t.const_data_ptr()); };
+      numatp_gemv_rows_bf16(bits(xc), bits(wc), b ? bits(*b) : nullptr,
+                            static_cast<std::uint16_t*>(y.mutable_data_ptr()), m, k, n, kn);
+    }
+  }
+  return y;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t provider,
                   int64_t n, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "numatp::linear: x must be (M, ", k, "), got ", x.sizes());
@@ -70,7 +118,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     }
     case kGemvNK:
     case kGemvKN:
-      return numatp_gemv(x, w, bias, provider == kGemvKN);
+      return gemv(x, w, bias, provider == kGemvKN);
     default:
       TORCH_CHECK(false, "numatp::linear: unknown provider code ", provider);
   }
