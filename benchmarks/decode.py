@@ -48,7 +48,7 @@ def _probe(buf) -> float:
 
 
 def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds: int,
-          without: tuple[str, ...] = ()) -> dict:
+          without: tuple[str, ...] = (), choices: bool = False) -> dict:
     import warnings
 
     import torch
@@ -68,6 +68,13 @@ def child(model_name: str, dtype_name: str, prompt: int, new_tokens: int, rounds
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
     kw = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
     builders = compiled_modes(model, cpus, without)
+    if choices:   # the GEMM choice's other ways, on 2 sockets: for the prompt alone, and one operand per weight
+        import numatp
+        from numatp.topology import Topology
+        for tag, options in (("first-token", numatp.GemmOptions(first_token=True)),
+                             ("one-copy", numatp.GemmOptions(decode_copies=0.0))):
+            builders[f"numatp-2-{tag}"] = lambda o=options: numatp.compile(model, sockets=Topology.virtual(sockets=2),
+                                                                           gemm=o)
     modes, tokens, compile_s = {}, {}, {}
     for name, build in builders.items():
         print(f"  compiling {name}", file=sys.stderr, flush=True)
@@ -123,16 +130,21 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3, help="timed generations per mode (default 3)")
     p.add_argument("--without", nargs="+", default=[], metavar="PROVIDER",
                    help="also time numatp on 1 and 2 sockets without these GEMM providers (e.g. gemv)")
+    p.add_argument("--choices", action="store_true",
+                   help="also time numatp on 2 sockets with its GEMM choice made for the prompt alone "
+                        "(GemmOptions(first_token=True)) and with one operand per weight (decode_copies=0)")
     p.add_argument("--out", default=None, help="append the JSON lines to this file too")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "DTYPE"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(json.dumps(child(a.child[0], a.child[1], a.prompt, a.new_tokens, a.rounds, tuple(a.without))))
+        print(json.dumps(child(a.child[0], a.child[1], a.prompt, a.new_tokens, a.rounds, tuple(a.without),
+                               a.choices)))
         return 0
     configs = [(m, d) for m in a.models for d in a.dtypes]
     rows = run_children(__file__, configs, lambda c: ["--child", *c, "--prompt", str(a.prompt), "--new-tokens",
                                                       str(a.new_tokens), "--rounds", str(a.rounds),
-                                                      *(["--without", *a.without] if a.without else [])], a.out)
+                                                      *(["--without", *a.without] if a.without else []),
+                                                      *(["--choices"] if a.choices else [])], a.out)
     print("\ntok/s: decode tokens per second (median); tp1/base: numatp on 1 socket against torch.compile with a "
           "static cache (target >= 1); tp2/tp1: 2 virtual sockets against 1 (target >= 0.95); roof%: numatp's "
           "best decode against the bandwidth roofline (target >= 70%); TTFT: time to first token")
@@ -140,7 +152,7 @@ def main() -> int:
           f"{'tp2/tp1':>8} {'roof%':>6} {'TTFT base':>10} {'TTFT tp2':>9} {'greedy=':>8}")
     for r in rows:
         t = r["decode_tokens_per_s"]
-        best = max(v for k, v in r["roofline_share"].items() if k.startswith("numatp") and "-without-" not in k)
+        best = max(v for k, v in r["roofline_share"].items() if k in ("numatp-1", "numatp-2", "numatp-4"))
         same = all(r["greedy_equal_to_baseline"].values())
         print(f"{r['model']:<12} {r['dtype']:<9} {t['baseline']:>10.1f} {t['numatp-1']:>10.1f} {t['numatp-2']:>10.1f} "
               f"{r['numatp1_vs_baseline']:>9.3f} {r['vs_numatp1']['numatp-2']:>8.3f} {100 * best:>6.1f} "
@@ -157,6 +169,15 @@ def main() -> int:
                 print(f"{r['model']:<12} {r['dtype']:<9} tp{n}: {t[off]:>8.1f} tok/s without, "
                       f"{t[f'numatp-{n}']:>8.1f} with ({t[f'numatp-{n}'] / t[off]:.3f}x); roof% "
                       f"{100 * share[off]:.1f} without, {100 * share[f'numatp-{n}']:.1f} with")
+    if a.choices:
+        print("\nGEMM choice on 2 sockets: default (prompt and steps together, second copies within "
+              "decode_copies=0.25), for the prompt alone (first_token=True), one operand per weight (decode_copies=0)")
+        for r in rows:
+            t, f = r["decode_tokens_per_s"], r["first_token_s"]
+            cells = "; ".join(f"{label} {1e3 * f[k]:.0f} ms / {t[k]:.1f} tok/s" for label, k in
+                              (("default", "numatp-2"), ("first-token", "numatp-2-first-token"),
+                               ("one-copy", "numatp-2-one-copy")))
+            print(f"{r['model']:<12} {r['dtype']:<9} TTFT / decode: {cells}")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import operator
+import time
 from dataclasses import replace
 
 import pytest
@@ -220,12 +221,13 @@ def test_generation_chooses_each_weights_providers_for_the_prompt_and_the_decode
     """With the decode steps to come in view, a weight whose prompt runs fastest packed but whose decode
     steps run fastest on gemv keeps its plain weight (ATen for the prompt, gemv for the steps) when the
     steps outweigh the prompt, and is packed for both when they do not; with GemmOptions(first_token=True)
-    the prompt chooses alone; every way, tokens equal eager."""
+    the prompt chooses alone; with room for second copies (GemmOptions.decode_copies) it gets both, the
+    packed copy for the prompt and the plain weight for the steps; every way, tokens equal eager."""
     from numatp.runtime.gemm import GemmTable
 
     model = zoo.build("gpt2", tiny=True)
     ids = torch.randint(5, 100, (1, 8), generator=torch.Generator().manual_seed(0))
-    opts = GemmOptions(providers=("onednn_packed", "gemv"), cache_dir=str(tmp_path))
+    opts = GemmOptions(providers=("onednn_packed", "gemv"), cache_dir=str(tmp_path), decode_copies=0.0)
 
     def generate(new_tokens, options=opts):
         torch._dynamo.reset()
@@ -258,6 +260,32 @@ def test_generation_chooses_each_weights_providers_for_the_prompt_and_the_decode
     # GemmOptions(first_token=True): the prompt's own choice, whatever the steps
     first = generate(64, replace(opts, first_token=True))
     assert {r["provider"] for r in first.gemm_report() if r["m"] > 1} == {"onednn_packed"}
+    # room for second copies: packed for the prompt and gemv on the plain weight for the steps, both
+    # ways (a copy saves the margin over one operand for 3 steps too)
+    for new_tokens in (64, 4):
+        both = generate(new_tokens, replace(opts, decode_copies=0.25))
+        rows = both.gemm_report()
+        prompt = {(r["rank"], r["weight"]) for r in rows if r["m"] > 1 and r["provider"] == "onednn_packed"}
+        assert prompt and {r["provider"] for r in rows if r["m"] > 1} == {"onednn_packed"}
+        assert {r["provider"] for r in rows if r["m"] == 1} == {"gemv"}
+        # each packed prompt operand keeps the plain weight it was made from, which the decode step reads
+        decode = [v for g in both.graphs for v in g.variants.values() if v.executor.reads and any(v.executor.reads)]
+        assert len(decode) == 1
+        for r, reads in enumerate(decode[0].executor.reads):
+            for i, plain in reads.items():
+                assert getattr(plain, "_numatp_gemm", None) is None and decode[0].weights[r][i] is plain
+        kept = [t._numatp_gemm.plain for t in both.weights._made.values() if getattr(t, "_numatp_gemm", None)]
+        assert len(kept) == len(prompt) and all(k is not None for k in kept)
+        assert {id(p) for reads in decode[0].executor.reads for p in reads.values()} <= {id(k) for k in kept}
+        report = both.weights.report()   # the kept weights' pages are the socket's too
+        assert report["packed_tensors"] == len(prompt) and all(r["pages"] for r in report["ranks"])
+
+
+def test_options_refuse_unknown_providers_and_shares_past_the_memory():
+    with pytest.raises(ValueError, match=r"unknown GEMM provider\(s\) \['blas9'\]; choose from"):
+        GemmOptions(providers=("aten", "blas9"))
+    with pytest.raises(ValueError, match=r"decode_copies=1.5 is a share of the available memory, from 0"):
+        GemmOptions(decode_copies=1.5)
 
 
 def test_cache_written_then_reused(tmp_path):
@@ -293,6 +321,16 @@ def test_table_is_per_cpu(tmp_path, monkeypatch):
     assert GemmTable(tmp_path).get(shape) == {"aten": 1.0}
     monkeypatch.setattr(gemm_mod, "cpu_signature", lambda: "another-cpu")
     assert GemmTable(tmp_path).get(shape) is None
+
+
+def test_cache_folder_is_numatp_cache_dir_where_set(tmp_path, monkeypatch):
+    from numatp._cache import cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "numatp"
+    monkeypatch.setenv("NUMATP_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+    assert GemmTable().path.parent == tmp_path / "mine"
 
 
 def test_ceilings_best_rate_per_provider(tmp_path):
@@ -338,10 +376,10 @@ def test_preview_chooses_like_apply_without_touching_the_programs(tmp_path):
         assert rows and {r["provider"] for r in rows} == {"mkl_packed"}
         assert [p.gm.code for p in programs] == before      # nothing rewritten
         assert not any(getattr(a, "_numatp_gemm", None) for r in args for a in r)  # nothing packed
-        _, new_args, swaps = selector.apply(group, [p.gm for p in programs], args, weights)
+        _, new_args, swaps, reads = selector.apply(group, [p.gm for p in programs], args, weights)
     assert [(r["rank"], r["weight"], r["provider"]) for r in selector.report()] == \
         [(r["rank"], r["weight"], r["provider"]) for r in rows]
-    assert sum(len(s) for s in swaps) == len(rows)
+    assert sum(len(s) for s in swaps) == len(rows) and not any(reads)   # nothing read in place of a copy
 
 
 def test_shape_key_round_trip():
@@ -413,11 +451,29 @@ def test_measure_all_times_every_provider_in_rounds():
     assert set(rates) == set(PROVIDERS)
     assert rates["mkl_packed_f32"] == 0.0                  # a bf16-only provider cannot run fp32
     assert all(rates[p] > 0 for p in ("aten", "onednn", "onednn_packed", "mkl_packed"))
-    # the same provider alone measures the same order of rate
-    assert 0.2 < measure(PROVIDERS["aten"], shape, min_seconds=0.01, max_calls=3) / rates["aten"] < 5
     # written into a wider tensor (a gathered LM head): ATen in place, the others by a copy
     into = measure_all(PROVIDERS, GemmShape(64, 128, 96, "float32", "nk", 1, 200), min_seconds=0.01, max_calls=3)
     assert all(into[p] > 0 for p in ("aten", "onednn", "onednn_packed", "mkl_packed"))
+
+
+def test_measure_all_times_each_provider_by_its_own_calls_in_rounds():
+    from numatp.runtime.gemm import Provider, measure_all
+
+    calls = []
+
+    def provider(name, pause):
+        def call(x, op, bias, n, k):
+            calls.append(name)
+            time.sleep(pause)
+            return x.new_zeros(x.shape[0], n)
+        return Provider(name, (torch.float32,), False, lambda w, m: w, call)
+
+    shape = GemmShape(4, 8, 8, "float32", "nk", 1)
+    rates = measure_all({"slow": provider("slow", 0.02), "fast": provider("fast", 0.0)}, shape,
+                        min_seconds=10.0, max_calls=4)   # 4 calls each, the cap
+    assert calls == ["slow", "fast"] * 5          # one warm-up call each, then 4 rounds of one call each
+    assert 0 < rates["slow"] <= shape.flops / 0.02 / 1e9   # its calls sleep 20 ms: no faster than that
+    assert rates["fast"] > 5 * rates["slow"]      # each rate is its own calls' time, not the round's
 
 
 def _poisoned_table(tmp_path):

@@ -246,6 +246,9 @@ class CompiledGraph:
             for plain, prepared in swaps.values():
                 store.replace(r, plain, prepared)
         local = [_bind(store, states, bindings[r], args, r) for r in range(n)]
+        for r, reads in enumerate(executor.reads):   # this variant's own: the store keeps the prompt's copy
+            for i, weight in reads.items():
+                local[r][i] = weight
         # warmed on copies of the states: this call's own run writes the cache (and its length) once
         executor.warm([[a.clone() if bd.state else a for bd, a in zip(bindings[r], local[r])] for r in range(n)])
         # the weights are fixed for this variant: look them up once, not on every call

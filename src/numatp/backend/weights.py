@@ -77,7 +77,8 @@ class WeightStore:
                           stacklevel=4)
 
     def report(self) -> dict[str, Any]:
-        """Pages per node of each socket's weights, and the share of pages on the socket's own node."""
+        """Pages per node of each socket's weights (a plain weight kept beside a prompt's packed copy
+        included), and the share of pages on the socket's own node."""
         ranks = []
         local = total = opaque = 0
         for r, sock in enumerate(self.topology.sockets):
@@ -85,6 +86,10 @@ class WeightStore:
             for key, t in self._made.items():
                 if key[-1] != r:
                     continue
+                kept = getattr(getattr(t, "_numatp_gemm", None), "plain", None)
+                if kept is not None:   # the weight as stored, kept beside a prompt's copy for the decode steps
+                    for node, n in pages_by_node(kept).items():
+                        pages[node] = pages.get(node, 0) + n
                 if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
                     # a packed GEMM weight (oneDNN/MKL opaque tensor, or the constant inside an Inductor
                     # GEMM kernel) has no data pointer to ask the kernel about; it was allocated by the

@@ -40,7 +40,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="also generate with torch.compile (same static cache and loop) and compare")
     p.add_argument("--first-token", action="store_true",
                    help="choose each weight's GEMM provider for the prompt alone (the fastest time to first "
-                        "token) instead of for the prompt and the decode steps together (the least total time)")
+                        "token) instead of for the prompt and the decode steps together (the least total time; "
+                        "by default a weight may be held twice, packed for the prompt and as stored for the "
+                        "steps, within a quarter of the available memory)")
     p.add_argument("--tiny", action="store_true", help="use the preset's shrunken test config (seconds, not minutes)")
     p.set_defaults(run=run)
     return p

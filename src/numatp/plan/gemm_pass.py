@@ -10,13 +10,16 @@ Before the programs are cut into segments, :meth:`GemmSelector.apply`
    keeps it: later programs choose among the providers that read it so (``Provider.keeps_plain``), never
    a second, packed copy. While a generation compiles (``GemmSelector.decode``), a prompt's weight is
    chosen with its decode steps: one operand for both, or the plain weight with one provider for the
-   prompt's rows and another (``gemv``) for the steps', whichever takes less measured time in all;
+   prompt's rows and another (``gemv``) for the steps', whichever takes less measured time in all, or,
+   where second copies fit in ``GemmOptions.decode_copies`` of the available memory, a packed copy for
+   the prompt beside the plain weight for the steps (the fastest first token and the fastest steps);
 4. rewrites each chosen matmul to ``numatp::gemm(x, W, b, provider, layout)``; the split of the program
    (:mod:`numatp.runtime.segments`) makes it ``numatp::linear``, the provider's C++ op, inside its
    compiled segment (Inductor's own lowerings of the packed kernels want the weight as a graph constant,
    which would compile every layer apart);
 5. prepares each weight's operand in its socket's worker, so a packed weight is allocated under that
-   socket's memory binding; the caller swaps it for the plain shard (no second copy is kept).
+   socket's memory binding; the caller swaps it for the plain shard (no second copy is kept, except the
+   plain weight beside a prompt's copy: its ``PackInfo.plain``, which the decode programs read).
 
 A packed operand carries its :class:`PackInfo` (``operand._numatp_gemm``), so a later variant of the same
 graph (another sequence length) reuses it: oneDNN and MKL packed weights serve any M.
@@ -43,6 +46,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, PackInfo, Provider, best_provider,
                                  stand_in, streams)
 from numatp.runtime.segments import gather_in_place
+from numatp.topology.resources import memory_available
 
 __all__ = ["GemmChoice", "GemmOptions", "GemmSelector", "report_rows"]
 
@@ -71,6 +75,11 @@ class GemmOptions:
     decode steps taking what the prompt left, instead of for the prompt and its decode steps together (the
     least time for the whole generation, which may run the prompt slower, e.g. on ATen instead of a
     packed weight, to decode on ``gemv``)."""
+    decode_copies: float = 0.25
+    """When generating, a weight may be held twice: an operand made for the prompt's rows (a packed weight,
+    the fastest first token) beside the weight as stored, which the decode steps read (``gemv``), as long
+    as those second copies take at most this share of the memory available when the programs compile;
+    0 never (one operand per weight, each chosen for the prompt and its decode steps together)."""
     remeasure: bool = False
     """Time every shape again (once per selector) instead of trusting the on-disk table, e.g. when its
     rates were taken on a busy machine; ``numatp calibrate --remeasure-gemm`` re-times the whole table."""
@@ -79,6 +88,9 @@ class GemmOptions:
         unknown = [p for p in (*self.providers, *([self.force] if self.force else [])) if p not in PROVIDERS]
         if unknown:
             raise ValueError(f"GemmOptions: unknown GEMM provider(s) {unknown}; choose from {sorted(PROVIDERS)}")
+        if not 0.0 <= self.decode_copies <= 1.0:
+            raise ValueError(f"GemmOptions: decode_copies={self.decode_copies} is a share of the available memory, "
+                             "from 0 (no second copy of any weight) to 1")
 
 
 @dataclass
@@ -100,6 +112,9 @@ class GemmChoice:
     rates: dict[str, dict[str, float]] = field(default_factory=dict)  # placeholder -> provider -> GFLOP/s
     shapes: dict[str, GemmShape] = field(default_factory=dict)
     later: dict[str, str] = field(default_factory=dict)   # placeholder -> provider planned for decode steps
+    copies: set[str] = field(default_factory=set)   # placeholders whose prompt operand is a second copy
+    reads: dict[str, torch.Tensor] = field(default_factory=dict)   # placeholder -> the plain weight kept
+    # beside a prompt's copy, which this (decode) program reads instead of the copy
 
 
 class GemmSelector:
@@ -118,27 +133,40 @@ class GemmSelector:
         self._plain: dict[int, tuple[weakref.ref, str | None]] = {}
         """id of a plain weight operand that a program reads as it is -> (the operand, weakly: a plan built
         and then dropped frees its shards; the provider chosen for it in the decode steps to come, if
-        any): later programs keep to the plain operand, so no weight is held twice."""
+        any): later programs keep to the plain operand, so no weight is held twice unless asked
+        (``GemmOptions.decode_copies``)."""
+        self._copy_budget: int | None = None   # bytes each socket's second copies may take (set when first needed)
+        self._copied: dict[int, int] = {}    # rank -> bytes of second copies made
+        self._planned: dict[int, int] = {}   # rank -> bytes of second copies chosen by the programs being planned
+        self._sockets = 1
 
     def apply(self, group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]],
-              weights: list[set[int]]) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list[dict[int, tuple]]]:
-        """Rewritten programs, their arguments (prepared operands in place of plain shards), and per rank
-        ``{argument index: (plain, operand)}`` for the weights whose operand is new."""
+              weights: list[set[int]]) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list[dict[int, tuple]],
+                                                 list[dict[int, torch.Tensor]]]:
+        """Rewritten programs, their arguments (prepared operands in place of plain shards), per rank
+        ``{argument index: (plain, operand)}`` for the weights whose operand is new (the caller passes it
+        from then on), and per rank ``{argument index: plain}`` for the weights these programs read as
+        stored where the caller holds a prompt's copy (:attr:`GemmChoice.reads`: for these programs only)."""
         sites = self._sites(group, gms, args, weights)
         self._measure(group, sites, args)
         swaps: list[dict[int, tuple]] = [{} for _ in gms]
-        todo: list[dict[int, tuple[Provider, torch.Tensor, int, str]]] = [{} for _ in gms]
+        reads: list[dict[int, torch.Tensor]] = [{} for _ in gms]
+        todo: list[dict[int, tuple[Provider, torch.Tensor, int, str, str | None]]] = [{} for _ in gms]
+        self._planned, self._sockets = {}, len(gms)
         self.choices = [self._choose(rank, gm, rank_sites, args[rank])
                         for rank, (gm, rank_sites) in enumerate(zip(gms, sites))]
+        new_args = [list(a) for a in args]
         for rank, (gm, rank_sites, choice) in enumerate(zip(gms, sites, self.choices)):
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             for ph, group_sites in rank_sites.items():
                 prov = choice.providers[ph.name]
                 idx = names.index(ph.name)
                 arg = args[rank][idx]
-                prepared = getattr(arg, "_numatp_gemm", None) is not None
+                if ph.name in choice.reads:   # the plain weight kept beside a prompt's copy
+                    arg = new_args[rank][idx] = reads[rank][idx] = choice.reads[ph.name]
+                prepared = getattr(arg, "_numatp_gemm", None) is not None or ph.name in choice.reads
                 if not prepared and choice.shapes[ph.name].layout in PROVIDERS[prov].keeps_plain:
-                    later = choice.later.get(ph.name) or self._planned(arg)[1]
+                    later = choice.later.get(ph.name) or self._planned_for(arg)[1]
                     self._plain[id(arg)] = (weakref.ref(arg), later)
                 if prov == "aten":
                     continue
@@ -148,18 +176,22 @@ class GemmSelector:
                     if u.target in (aten.permute.default, aten.t.default) and not u.users:
                         gm.graph.erase_node(u)
                 if not prepared:
-                    todo[rank][idx] = (PROVIDERS[prov], arg, choice.shapes[ph.name].m, choice.shapes[ph.name].layout)
+                    keep = choice.later.get(ph.name) if ph.name in choice.copies else None
+                    todo[rank][idx] = (PROVIDERS[prov], arg, choice.shapes[ph.name].m,
+                                       choice.shapes[ph.name].layout, keep)
             gm.graph.lint()
             gm.recompile()
         nodes = [s.node if group.binds_memory else None for s in group.topology.sockets]
-        made = group.run(lambda rank: {i: _prepare(p, w, m, lay, nodes[rank])
-                                       for i, (p, w, m, lay) in todo[rank].items()})
-        new_args = [list(a) for a in args]
+        made = group.run(lambda rank: {i: _prepare(p, w, m, lay, nodes[rank], keep)
+                                       for i, (p, w, m, lay, keep) in todo[rank].items()})
+        for rank, planned in self._planned.items():
+            self._copied[rank] = self._copied.get(rank, 0) + planned
+        self._planned = {}
         for rank, ops in enumerate(made):
             for i, op in ops.items():
                 swaps[rank][i] = (args[rank][i], op)
                 new_args[rank][i] = op
-        return gms, new_args, swaps
+        return gms, new_args, swaps, reads
 
     def preview(self, group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]],
                 weights: list[set[int]]) -> list[dict[str, Any]]:
@@ -167,8 +199,10 @@ class GemmSelector:
         or preparing any operand: :meth:`report`'s rows."""
         sites = self._sites(group, gms, args, weights)
         self._measure(group, sites, args)
+        self._planned, self._sockets = {}, len(gms)
         self.choices = [self._choose(rank, gm, rank_sites, args[rank])
                         for rank, (gm, rank_sites) in enumerate(zip(gms, sites))]
+        self._planned = {}
         return self.report()
 
     @staticmethod
@@ -180,25 +214,34 @@ class GemmSelector:
 
     def _choose(self, rank: int, gm: torch.fx.GraphModule, rank_sites: dict[torch.fx.Node, list[_Site]],
                 args: list[Any]) -> GemmChoice:
-        """Provider per weight placeholder: the one an operand was already prepared for; on a plain weight
-        another program reads as it is, the decode provider planned for it or one that also reads it as it
-        is; else measured (with the decode steps to come, when :attr:`decode` says so)."""
+        """Provider per weight placeholder: the one an operand was already prepared for (or, where that
+        operand is a prompt's copy, the one planned for the plain weight kept beside it, if measured
+        faster at these rows: a decode step); on a plain weight another program reads as it is, the
+        decode provider planned for it or one that also reads it as it is; else measured (with the
+        decode steps to come, when :attr:`decode` says so)."""
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         choice = GemmChoice(rank)
         for ph, group_sites in rank_sites.items():
             arg = args[names.index(ph.name)]
             info = getattr(arg, "_numatp_gemm", None)
             s0 = group_sites[0].shape
-            plain, planned = self._planned(arg)
-            if info:
+            plain, planned = self._planned_for(arg)
+            if (info and info.later and info.plain is not None and self._fits(info.later, group_sites, plain=True)
+                    and self._seconds(info.later, group_sites) < self._seconds(info.provider, group_sites)):
+                prov = info.later   # e.g. a decode step: the plain weight kept beside the copy, measured faster
+                choice.reads[ph.name] = info.plain
+            elif info:
                 prov = info.provider
             elif plain:
                 prov = planned if planned and self._fits(planned, group_sites) else \
                     self._decide(group_sites, plain=True)
             elif self._with_decode() and s0.m > self.decode[0]:
-                prov, later = self._decide_with_decode(group_sites)
+                prov, later, copy = self._decide_with_decode(rank, group_sites)
                 if later:
                     choice.later[ph.name] = later
+                if copy:
+                    choice.copies.add(ph.name)
+                    self._planned[rank] = self._planned.get(rank, 0) + _weight_bytes(s0)
             else:
                 prov = self._decide(group_sites)
             choice.providers[ph.name] = prov
@@ -210,7 +253,7 @@ class GemmSelector:
         """Whether a prompt's weights are chosen with the decode steps to come."""
         return self.decode is not None and not self.options.force and not self.options.first_token
 
-    def _planned(self, arg: Any) -> tuple[bool, str | None]:
+    def _planned_for(self, arg: Any) -> tuple[bool, str | None]:
         """Whether a program reads ``arg`` as its plain operand, and the decode provider planned for it."""
         ref, later = self._plain.get(id(arg), (None, None))
         return (True, later) if ref is not None and ref() is arg else (False, None)
@@ -232,23 +275,16 @@ class GemmSelector:
         picks = {best_provider(self.table.get(s.shape) or {}, allowed, margin=self.options.margin) for s in sites}
         return picks.pop() if len(picks) == 1 else "aten"
 
-    def _decide_with_decode(self, sites: list[_Site]) -> tuple[str, str | None]:
-        """A prompt's provider for a weight, and the decode steps' provider where they differ (sharing the
-        plain weight): the pair of least measured time for the prompt and :attr:`decode`'s steps. Either one
-        provider for both (its operand made once), or two that each read the plain weight as it is. A
-        pair replaces ATen-for-both only when faster by the margin."""
+    def _decide_with_decode(self, rank: int, sites: list[_Site]) -> tuple[str, str | None, bool]:
+        """A prompt's provider for a weight, the decode steps' provider where they differ, and whether the
+        prompt's operand is a second copy: the pair of least measured time for the prompt and
+        :attr:`decode`'s steps. Either one provider for both (its operand made once), or two that each
+        read the plain weight as it is, or, while second copies fit in ``GemmOptions.decode_copies``, a
+        new operand for the prompt beside the plain weight for the steps. A pair replaces ATen-for-both,
+        and a second copy one operand, only when faster by the margin."""
         steps = self.decode[1]
         decode = [replace(s, shape=self._decode_shape(s)) for s in sites]
-
-        def seconds(p: str, ss: list[_Site]) -> float:
-            total = 0.0
-            for s in ss:
-                rate = (self.table.get(s.shape) or {}).get(p, 0.0)
-                if rate <= 0:
-                    return float("inf")
-                total += s.shape.flops / (rate * 1e9)
-            return total
-
+        seconds = self._seconds
         pairs = [(p, p) for p in self._allowed(sites) if self._fits(p, decode)]
         plain_prompt, plain_decode = self._allowed(sites, plain=True), self._allowed(decode, plain=True)
         pairs += [(p, q) for p in plain_prompt for q in plain_decode if p != q]
@@ -256,7 +292,32 @@ class GemmSelector:
         best = min(cost, key=cost.get)
         if cost[best] * self.options.margin >= cost.get(("aten", "aten"), float("inf")):
             best = ("aten", "aten")
-        return best[0], (best[1] if best[1] != best[0] else None)
+        if self._copy_room(rank) >= _weight_bytes(sites[0].shape):
+            fresh = [p for p in self._allowed(sites) if p not in plain_prompt]
+            copies = {(p, q): seconds(p, sites) + steps * seconds(q, decode) for p in fresh for q in plain_decode}
+            if copies:
+                pq = min(copies, key=copies.get)
+                if copies[pq] * self.options.margin < cost[best]:
+                    return pq[0], pq[1], True
+        return best[0], (best[1] if best[1] != best[0] else None), False
+
+    def _seconds(self, provider: str, sites: list[_Site]) -> float:
+        """Measured time of ``provider`` over ``sites`` (inf where it has no rate)."""
+        total = 0.0
+        for s in sites:
+            rate = (self.table.get(s.shape) or {}).get(provider, 0.0)
+            if rate <= 0:
+                return float("inf")
+            total += s.shape.flops / (rate * 1e9)
+        return total
+
+    def _copy_room(self, rank: int) -> int:
+        """Bytes that more second copies of socket ``rank`` may take: its share of
+        ``GemmOptions.decode_copies`` of the memory available when first asked (every socket the same, so
+        that none runs its prompt slower for want of room), less its copies made and planned."""
+        if self._copy_budget is None:
+            self._copy_budget = int((memory_available() or 0) * self.options.decode_copies) // self._sockets
+        return self._copy_budget - self._copied.get(rank, 0) - self._planned.get(rank, 0)
 
     def _decode_shape(self, site: _Site) -> GemmShape:
         """``site``'s shape in the decode steps to come (:attr:`decode`'s rows)."""
@@ -304,10 +365,13 @@ def report_rows(choices: list[GemmChoice]) -> list[dict[str, Any]]:
     return rows
 
 
-def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int | None = None) -> torch.Tensor:
+def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int | None = None,
+             keep: str | None = None) -> torch.Tensor:
     """The provider's operand for ``w``, made by the calling (socket) thread. A new dense operand (the
     (N, K) copy of a Conv1D weight) is copied onto ``node`` when one is given: the worker's allocator
-    may hand it pages recycled from another node, where its memory binding does not apply."""
+    may hand it pages recycled from another node, where its memory binding does not apply. With ``keep``
+    (a decode provider), a new operand is a second copy: its :class:`PackInfo` holds ``w`` for the decode
+    steps, which ``keep`` runs on."""
     w_nk = w if layout == "nk" else w.t()
     with torch.no_grad():
         op = provider.prepare(w_nk, m)
@@ -317,8 +381,14 @@ def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int
         if node is not None and op.layout == torch.strided:
             from numatp.placement import numa_clone
             op = numa_clone(op, node)
-        op._numatp_gemm = PackInfo(provider.name, tuple(w.shape), w.dtype, layout, m)
+        op._numatp_gemm = PackInfo(provider.name, tuple(w.shape), w.dtype, layout, m,
+                                   plain=w if keep else None, later=keep)
     return op
+
+
+def _weight_bytes(shape: GemmShape) -> int:
+    """Bytes of the weight of a matmul of ``shape``."""
+    return shape.k * shape.n * getattr(torch, shape.dtype).itemsize
 
 
 def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int], threads: int,

@@ -78,6 +78,7 @@ class ShardedExecutor:
         self.sync_seconds = [0.0] * group.size     # per socket: in all-reduces
         self.gather_seconds = [0.0] * group.size   # per socket: in all-gathers
         self.swaps: list[dict[int, tuple]] = []
+        self.reads: list[dict[int, torch.Tensor]] = []   # per rank: weights these programs read instead
         self.gemm_choices: list[GemmChoice] = []   # per rank, the providers this executor's programs got
         self.performed = {"all_reduce": 0, "all_gather": 0}   # collectives completed by every socket
 
@@ -91,12 +92,16 @@ class ShardedExecutor:
     def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]],
               weights: list[set[int]] | None = None) -> None:
         """Compile the programs; with a GEMM selector and ``weights`` (per rank, the argument indices that
-        are weights) weight matmuls get their providers first, and ``self.swaps`` lists per rank
-        ``{index: (plain, prepared)}``: the caller passes the prepared operand from then on."""
+        are weights) weight matmuls get their providers first, ``self.swaps`` lists per rank
+        ``{index: (plain, prepared)}``: the caller passes the prepared operand from then on, and
+        ``self.reads`` per rank ``{index: weight}``: these programs read that weight as stored where the
+        caller holds a prompt's copy of it (``GemmChoice.reads``)."""
         self.programs = []
         self.swaps = [{} for _ in local_gms]
+        self.reads = [{} for _ in local_gms]
         if self.gemm is not None and weights is not None:
-            local_gms, local_args, self.swaps = self.gemm.apply(self.group, local_gms, local_args, weights)
+            local_gms, local_args, self.swaps, self.reads = self.gemm.apply(self.group, local_gms, local_args,
+                                                                            weights)
             self.gemm_choices = list(self.gemm.choices)
         for rank, (gm, args) in enumerate(zip(local_gms, local_args)):
             fuse_single_query_attention(gm)

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
 
@@ -146,7 +146,7 @@ def _mkl_call(x, packed, bias, n, k):
 
 
 GEMV_MAX_ROWS = 16
-"""The most rows ``gemv`` takes (as ``kMaxRows`` in ``gemv.cpp``); more are left to the GEMM providers."""
+"""The most rows ``gemv`` takes (as ``kGemvMaxRows`` in ``ops.cpp``); more are left to the GEMM providers."""
 
 
 def _gemv_prepare(w_nk, m):
@@ -366,7 +366,7 @@ def cpu_signature() -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
-default_cache_dir = cache_dir  # ``~/.cache/numatp`` (``$XDG_CACHE_HOME/numatp`` where that is set)
+default_cache_dir = cache_dir  # ``~/.cache/numatp``, or as numatp._cache.cache_dir says
 
 
 TABLE_FORMAT = 2
@@ -520,13 +520,19 @@ def native_code(provider: str, layout: str) -> int:
 
 @dataclass(frozen=True)
 class PackInfo:
-    """What a prepared operand is: its provider, the plain weight's shape/dtype/layout, the M it was packed for."""
+    """What a prepared operand is: its provider, the plain weight's shape/dtype/layout, the M it was packed for.
+
+    ``plain`` and ``later``: where the operand is a second copy made for a prompt's rows (see
+    ``GemmOptions.decode_copies``), the plain weight it was made from, kept for the decode steps, and the
+    provider that reads it there; otherwise None."""
 
     provider: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     layout: str
     m: int
+    plain: Any = field(default=None, compare=False, repr=False)
+    later: str | None = None
 
 
 @dataclass
