@@ -280,8 +280,9 @@ class GemmSelector:
         prompt's operand is a second copy: the pair of least measured time for the prompt and
         :attr:`decode`'s steps. Either one provider for both (its operand made once), or two that each
         read the plain weight as it is, or, while second copies fit in ``GemmOptions.decode_copies``, a
-        new operand for the prompt beside the plain weight for the steps. A pair replaces ATen-for-both,
-        and a second copy one operand, only when faster by the margin."""
+        new operand for the prompt beside the plain weight for the steps. A pair replaces ATen-for-both
+        only when faster by the margin; a second copy replaces the best pair when it takes less time in all
+        and runs the prompt or the steps faster by the margin."""
         steps = self.decode[1]
         decode = [replace(s, shape=self._decode_shape(s)) for s in sites]
         seconds = self._seconds
@@ -296,9 +297,14 @@ class GemmSelector:
             fresh = [p for p in self._allowed(sites) if p not in plain_prompt]
             copies = {(p, q): seconds(p, sites) + steps * seconds(q, decode) for p in fresh for q in plain_decode}
             if copies:
-                pq = min(copies, key=copies.get)
-                if copies[pq] * self.options.margin < cost[best]:
-                    return pq[0], pq[1], True
+                p, q = min(copies, key=copies.get)
+                # less time in all, and the prompt or the steps faster by the margin (a copy that gains on
+                # the prompt alone gains little of the whole when the steps dominate it, yet is the
+                # first token's gain)
+                margin = self.options.margin
+                if copies[p, q] < cost[best] and (seconds(p, sites) * margin < seconds(best[0], sites)
+                                                  or seconds(q, decode) * margin < seconds(best[1], decode)):
+                    return p, q, True
         return best[0], (best[1] if best[1] != best[0] else None), False
 
     def _seconds(self, provider: str, sites: list[_Site]) -> float:
