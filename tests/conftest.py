@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import os
-
 import pytest
 
 SYSFS_FIXTURES = Path(__file__).parent / "fixtures" / "sysfs"
@@ -26,15 +24,11 @@ def sysfs_root():
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
     """GEMM rates, profiles and the C++ library go to a folder of this test session, never to the user's
-    cache (CLI subprocesses inherit the variables)."""
-    saved = {k: os.environ.pop(k, None) for k in ("XDG_CACHE_HOME", "NUMATP_CACHE_DIR")}
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    cache."""
+    from tests.helpers import private_cache
+
+    with private_cache(str(tmp_path_factory.mktemp("xdg-cache"))):
+        yield
 
 
 @pytest.fixture

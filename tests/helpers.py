@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
 
 from numatp.topology import NumaNode, Socket, Topology
@@ -37,3 +41,21 @@ def all_gathers(backend) -> list:
 
     return [s for g in backend.graphs for v in g.variants.values() for p in v.executor.programs
             for s in p.steps if isinstance(s, Collective) and s.kind == "all_gather"]
+
+
+@contextlib.contextmanager
+def private_cache(folder: str, keep_given: bool = False) -> Iterator[None]:
+    """numatp's cache (GEMM rates, profiles, the C++ library) under ``folder`` inside the block, never the
+    user's; with ``keep_given``, a ``$NUMATP_CACHE_DIR`` already set stays (subprocesses inherit both)."""
+    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "NUMATP_CACHE_DIR")}
+    os.environ["XDG_CACHE_HOME"] = folder
+    if not keep_given:
+        os.environ.pop("NUMATP_CACHE_DIR", None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -14,15 +14,10 @@ from numatp.topology import Topology
 def _private_cache(tmp_path_factory):
     """As the host suite's, except a ``$NUMATP_CACHE_DIR`` given is kept: scripts/numa-suite.sh gives each
     guest one (emptied of all but the C++ library), so the library compiles once, not once per guest."""
-    saved = {k: os.environ.get(k) for k in ("XDG_CACHE_HOME", "NUMATP_CACHE_DIR")}
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
-    os.environ.setdefault("NUMATP_CACHE_DIR", os.path.join(os.environ["XDG_CACHE_HOME"], "numatp"))
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    from tests.helpers import private_cache
+
+    with private_cache(str(tmp_path_factory.mktemp("xdg-cache")), keep_given=True):
+        yield
 
 
 @pytest.fixture(scope="session")
