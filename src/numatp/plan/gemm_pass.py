@@ -241,7 +241,7 @@ class GemmSelector:
                     choice.later[ph.name] = later
                 if copy:
                     choice.copies.add(ph.name)
-                    self._planned[rank] = self._planned.get(rank, 0) + _weight_bytes(s0)
+                    self._planned[rank] = self._planned.get(rank, 0) + s0.weight_bytes
             else:
                 prov = self._decide(group_sites)
             choice.providers[ph.name] = prov
@@ -293,7 +293,7 @@ class GemmSelector:
         best = min(cost, key=cost.get)
         if cost[best] * self.options.margin >= cost.get(("aten", "aten"), float("inf")):
             best = ("aten", "aten")
-        if self._copy_room(rank) >= _weight_bytes(sites[0].shape):
+        if self._copy_room(rank) >= sites[0].shape.weight_bytes:
             fresh = [p for p in self._allowed(sites) if p not in plain_prompt]
             copies = {(p, q): seconds(p, sites) + steps * seconds(q, decode) for p in fresh for q in plain_decode}
             if copies:
@@ -390,11 +390,6 @@ def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int
         op._numatp_gemm = PackInfo(provider.name, tuple(w.shape), w.dtype, layout, m,
                                    plain=w if keep else None, later=keep)
     return op
-
-
-def _weight_bytes(shape: GemmShape) -> int:
-    """Bytes of the weight of a matmul of ``shape``."""
-    return shape.k * shape.n * getattr(torch, shape.dtype).itemsize
 
 
 def _find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int], threads: int,

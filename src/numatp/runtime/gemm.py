@@ -89,6 +89,11 @@ class GemmShape:
     def flops(self) -> int:
         return 2 * self.m * self.k * self.n
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the (K, N) weight."""
+        return self.k * self.n * getattr(torch, self.dtype).itemsize
+
 
 @dataclass(frozen=True)
 class Provider:
@@ -341,10 +346,9 @@ def streamed_copies(shape: GemmShape) -> int:
     available now (every provider holds a ring, and every socket measures at once), and 1024 copies."""
     if not shape.stream:
         return 1
-    size = shape.k * shape.n * torch.empty(0, dtype=getattr(torch, shape.dtype)).element_size()
     free = _available_bytes()
     want = min(2 * last_level_cache_bytes(), STREAM_MAX_BYTES, STREAM_MAX_BYTES if free is None else free // 32)
-    return max(1, min(1024, -(-want // max(size, 1))))
+    return max(1, min(1024, -(-want // max(shape.weight_bytes, 1))))
 
 
 def cpu_signature() -> str:
