@@ -142,7 +142,8 @@ def test_native_linear_takes_each_providers_operand():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_equals_a_float64_matmul_for_up_to_16_rows(dtype):
     """numatp's GEMV on both weight layouts, with and without bias, for row counts around its blocks of
-    4 and sizes around its vector widths (16 fp32 lanes, 32 bf16 pairs, 64- and 512-column blocks)."""
+    4 (and so its 4-16 weight rows at once) and sizes around its vector widths (16 fp32 lanes, 32 bf16
+    pairs, 64- and 512-column blocks)."""
     p = PROVIDERS["gemv"]
     g = torch.Generator().manual_seed(1)
     for m in (1, 2, 3, 4, 5, 8, 16):
@@ -474,6 +475,34 @@ def test_measure_all_times_each_provider_by_its_own_calls_in_rounds():
     assert calls == ["slow", "fast"] * 5          # one warm-up call each, then 4 rounds of one call each
     assert 0 < rates["slow"] <= shape.flops / 0.02 / 1e9   # its calls sleep 20 ms: no faster than that
     assert rates["fast"] > 5 * rates["slow"]      # each rate is its own calls' time, not the round's
+
+
+def test_a_streamed_rate_is_the_mean_over_the_rings_copies(monkeypatch):
+    """A program reads one prepared copy, fast or slow as its allocation fell: a streamed shape's rate is
+    the expected time over the ring's copies, so a provider with one slow copy in four loses to a steady
+    one whose every call is slower than its fast copies' (the median call would pick it)."""
+    from numatp.runtime.gemm import Provider, measure_all
+
+    monkeypatch.setattr(gemm_mod, "streamed_copies", lambda shape: 4)
+
+    def provider(name, pauses):
+        made = []
+
+        def prepare(w, m):
+            made.append(pauses[len(made) % len(pauses)])
+            return (w, made[-1])
+
+        def call(x, op, bias, n, k):
+            time.sleep(op[1])
+            return x.new_zeros(x.shape[0], n)
+        return Provider(name, (torch.float32,), False, prepare, call)
+
+    shape = GemmShape(1, 8, 8, "float32", "nk", 1, 0, True)
+    rates = measure_all({"lucky": provider("lucky", (0.04, 0.001, 0.001, 0.001)),
+                         "steady": provider("steady", (0.005,))}, shape, min_seconds=100.0, max_calls=8)
+    # lucky: 3 of its 4 copies take 1 ms a call, one 40 ms: 10.75 ms expected; steady: 5 ms
+    assert shape.flops / 0.02 / 1e9 < rates["lucky"] < shape.flops / 0.0105 / 1e9
+    assert rates["steady"] > 1.5 * rates["lucky"]
 
 
 def _poisoned_table(tmp_path):

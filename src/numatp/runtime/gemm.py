@@ -272,7 +272,12 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
     A :attr:`GemmShape.stream` shape (a decode step's few rows, its weight read from memory at every call
     as a decode step reads every weight in turn) would sit in cache if timed on one weight, and the rate
     would be the cache's: each call reads the next of a ring of copies past the last-level cache
-    (:func:`streamed_copies`)."""
+    (:func:`streamed_copies`). Each copy is prepared apart, as a program's own operand is, and a
+    prepared copy's speed may depend on where it was allocated (measured on an AVX-512/AMX Xeon, one
+    thread, a 1 x 1024 x 25128 bf16 LM head: six oneDNN-packed copies of one weight in one process ran at
+    4.2-4.8 or 10.7-11.7 GFLOP/s, copy by copy, where numatp's gemv on the plain weight ran at 8.2-9.1);
+    a program reads one copy, whichever it got, so a streamed rate is the mean over the copies of each
+    copy's median time: the time the program can expect, not the luckiest copy's."""
     dtype = getattr(torch, shape.dtype)
     rates: dict[str, float] = {name: 0.0 for name in providers}
     g = torch.Generator().manual_seed(seed)
@@ -301,6 +306,7 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
                 continue
             timed[name] = (provider, ops)
         times: dict[str, list[float]] = {name: [] for name in timed}
+        by_copy: dict[str, dict[int, list[float]]] = {name: {} for name in timed}
         spent = dict.fromkeys(timed, 0.0)
         # providers that read the plain weight share the ring's copies: each starts at its own place in
         # it, so none reads a copy another has just brought into cache
@@ -312,7 +318,8 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
             for name, (provider, ops) in timed.items():
                 if len(times[name]) >= max_calls:
                     continue
-                op = ops[(start[name] + calls) % len(ops)]
+                at = (start[name] + calls) % len(ops)
+                op = ops[at]
                 t0 = time.perf_counter()
                 if shape.into:   # a fresh full tensor per call, as per gather: its pages fault in
                     _call_into(provider, x, op, bias, shape.n, shape.k, x.new_empty(shape.m, shape.into))
@@ -320,9 +327,10 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
                     provider.call(x, op, bias, shape.n, shape.k)
                 dt = time.perf_counter() - t0
                 times[name].append(dt)
+                by_copy[name].setdefault(at, []).append(dt)
                 spent[name] += dt
-    for name, ts in times.items():
-        rates[name] = shape.flops / statistics.median(ts) / 1e9
+    for name, per_copy in by_copy.items():
+        rates[name] = shape.flops / statistics.fmean(statistics.median(ts) for ts in per_copy.values()) / 1e9
     return rates
 
 
@@ -373,10 +381,10 @@ def cpu_signature() -> str:
 default_cache_dir = cache_dir  # ``~/.cache/numatp``, or as numatp._cache.cache_dir says
 
 
-TABLE_FORMAT = 2
+TABLE_FORMAT = 3
 """Part of the table's file name: a change of how rates are measured starts a new table (2: shapes of
-few rows are timed streaming their weight, see :func:`measure_all`), so no choice compares rates taken
-one way against rates taken the other."""
+few rows are timed streaming their weight; 3: a streamed rate is the mean over the ring's copies, see
+:func:`measure_all`), so no choice compares rates taken one way against rates taken the other."""
 
 
 class GemmTable:
