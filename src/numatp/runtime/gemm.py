@@ -305,18 +305,18 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
                 log.debug("numatp: GEMM provider %s cannot run %s: %s", name, shape.key, e)
                 continue
             timed[name] = (provider, ops)
-        times: dict[str, list[float]] = {name: [] for name in timed}
-        by_copy: dict[str, dict[int, list[float]]] = {name: {} for name in timed}
+        by_copy: dict[str, dict[int, list[float]]] = {name: {} for name in timed}   # call times per copy
+        made = dict.fromkeys(timed, 0)
         spent = dict.fromkeys(timed, 0.0)
         # providers that read the plain weight share the ring's copies: each starts at its own place in
         # it, so none reads a copy another has just brought into cache
         start = {name: i * len(ring) // len(timed) for i, name in enumerate(timed)}
         calls = 0
-        while timed and any(len(times[n]) < max_calls and (len(times[n]) < 2 or spent[n] < min_seconds)
+        while timed and any(made[n] < max_calls and (made[n] < 2 or spent[n] < min_seconds)
                             for n in timed):
             calls += 1
             for name, (provider, ops) in timed.items():
-                if len(times[name]) >= max_calls:
+                if made[name] >= max_calls:
                     continue
                 at = (start[name] + calls) % len(ops)
                 op = ops[at]
@@ -326,8 +326,8 @@ def measure_all(providers: dict[str, Provider], shape: GemmShape, *, min_seconds
                 else:
                     provider.call(x, op, bias, shape.n, shape.k)
                 dt = time.perf_counter() - t0
-                times[name].append(dt)
                 by_copy[name].setdefault(at, []).append(dt)
+                made[name] += 1
                 spent[name] += dt
     for name, per_copy in by_copy.items():
         rates[name] = shape.flops / statistics.fmean(statistics.median(ts) for ts in per_copy.values()) / 1e9
