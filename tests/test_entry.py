@@ -185,7 +185,8 @@ def test_sharded_call_peak_memory_is_bounded():
     # a reduction's partials are dropped once every socket has summed them, so the peak of a sharded
     # call does not grow with depth: kept to the end of the call, 4 more layers would add 8 reductions x 2
     # partials = 16 hidden-state copies; the two sockets' own peaks meet or miss by thread timing, which
-    # moves the total by about 2 copies, so the check allows 4. Beyond
+    # moves one call's total by up to 6 copies (17.3-22.9 MiB seen for one program), so the child keeps
+    # the lowest of a few calls and the check allows 8, half of what keeping the partials would add. Beyond
     # the unsharded program's peak it holds what the plan puts on every socket: the other socket's copy
     # of the replicated hidden states, one reduction's partials and sums, the gathered logits (about 6
     # hidden-state copies here, 1.32x); 1.4x bounds it
@@ -197,7 +198,8 @@ def test_sharded_call_peak_memory_is_bounded():
     peaks = json.loads(proc.stdout.splitlines()[-1])
     hidden_mib = 2 * 512 * 256 * 4 / 2**20   # batch x seq x hidden fp32
     shallow, deep, unsharded = peaks["2-always"], peaks["6-always"], peaks["6-never"]
-    assert deep["performed"] == {"all_reduce": 2 * 6 + 1, "all_gather": 1}
-    assert shallow["performed"] == {"all_reduce": 2 * 2 + 1, "all_gather": 1}
-    assert abs(deep["peak_mib"] - shallow["peak_mib"]) < 4 * hidden_mib, peaks
+    calls = deep["calls"]
+    assert deep["performed"] == {"all_reduce": calls * (2 * 6 + 1), "all_gather": calls}
+    assert shallow["performed"] == {"all_reduce": calls * (2 * 2 + 1), "all_gather": calls}
+    assert abs(deep["peak_mib"] - shallow["peak_mib"]) < 8 * hidden_mib, peaks
     assert deep["peak_mib"] <= 1.4 * unsharded["peak_mib"], peaks
