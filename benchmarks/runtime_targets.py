@@ -4,8 +4,10 @@ One child process per (model, sequence, dtype); inside it the modes are compiled
 warmed up, then timed interleaved (call i of every mode before call i+1 of any), so drift hits all modes
 alike. The 4-socket mode runs where the process may use at least 4 CPUs. Prints one JSON line per
 configuration and a table at the end: each mode against numatp on 1 socket, and for each sharded mode
-the share of its prefill spent in all-reduces (waiting for the slowest socket included) and in the
-gather of the column-sharded logits.
+the share of its prefill spent in all-reduces (waiting for the slowest socket included), the part of
+it that is the reductions' own work (their time less the waiting for the last socket to arrive: on a
+machine shared with other work, or with sockets of unequal speed, the waiting grows where the work does
+not) and the share spent in the gather of the column-sharded logits.
 
     python benchmarks/runtime_targets.py --models gpt2 gpt2-medium --seqs 128 512 1024 --dtypes float32 bfloat16
 """
@@ -60,6 +62,7 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, f
                          for v in g.variants.values()] for k in sharded}
         for ex in (e for es in executors.values() for e in es):
             ex.sync_seconds[:] = [0.0] * len(ex.sync_seconds)
+            ex.wait_seconds[:] = [0.0] * len(ex.wait_seconds)
             ex.gather_seconds[:] = [0.0] * len(ex.gather_seconds)
         times: dict[str, list[float]] = {k: [] for k in modes}
         for _ in range(iters):
@@ -69,8 +72,13 @@ def child(model_name: str, seq: int, dtype_name: str, warmup: int, iters: int, f
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     # per mode, the socket that spent the most time in each kind of collective, as a share of a call
-    shares = {k: {"all_reduce": max(map(sum, zip(*(e.sync_seconds for e in es)))) / iters / med[k],
-                  "gather": max(map(sum, zip(*(e.gather_seconds for e in es)))) / iters / med[k]}
+    def most(es: list, per_socket) -> float:
+        return max(map(sum, zip(*(per_socket(e) for e in es))))
+
+    shares = {k: {"all_reduce": most(es, lambda e: e.sync_seconds) / iters / med[k],
+                  "all_reduce_work": most(es, lambda e: [s - w for s, w in zip(e.sync_seconds, e.wait_seconds)])
+                  / iters / med[k],
+                  "gather": most(es, lambda e: e.gather_seconds) / iters / med[k]}
               for k, es in executors.items()}
     return {
         "model": model_name, "seq": seq, "dtype": dtype_name, "cpus": cpus, "iters": iters,
@@ -117,18 +125,20 @@ def main() -> int:
                                                       "--iters", str(a.iters)] + (["--freezing"] if a.freezing else []),
                         a.out)
     print("\ntp1/base: numatp on 1 socket against torch.compile (speed ratio, > 1 is faster); tpN/tp1: N virtual "
-          "sockets against 1 (target >= 0.98); ar%: all-reduces, target <= 2%; gat%: the logits' gather"
+          "sockets against 1 (target >= 0.98); ar%: all-reduces, target <= 2%; wk%: their work, without the "
+          "waiting for the last socket; gat%: the logits' gather"
           + ("; tp1/best: numatp on 1 socket against the better of torch.compile with and without freezing "
              "(target >= 1)" if a.freezing else ""))
     print(f"{'model':<12} {'seq':>5} {'dtype':<9} {'base ms':>8} {'tp1/base':>9} {'tp2/tp1':>8} {'ar2%':>5} "
-          f"{'gat2%':>6} {'tp4/tp1':>8} {'ar4%':>5} {'gat4%':>6}"
+          f"{'wk2%':>5} {'gat2%':>6} {'tp4/tp1':>8} {'ar4%':>5} {'wk4%':>5} {'gat4%':>6}"
           + (f" {'tp2/freeze':>10} {'tp1/best':>9}" if a.freezing else ""))
 
     def cols(r: dict, k: str) -> str:
         if k not in r["ratio_vs_numatp1"]:
-            return f" {'-':>8} {'-':>5} {'-':>6}"
+            return f" {'-':>8} {'-':>5} {'-':>5} {'-':>6}"
         sh = r["collective_share"][k]
-        return f" {r['ratio_vs_numatp1'][k]:>8.3f} {100 * sh['all_reduce']:>5.1f} {100 * sh['gather']:>6.1f}"
+        return (f" {r['ratio_vs_numatp1'][k]:>8.3f} {100 * sh['all_reduce']:>5.1f} {100 * sh['all_reduce_work']:>5.1f}"
+                f" {100 * sh['gather']:>6.1f}")
     for r in rows:
         line = (f"{r['model']:<12} {r['seq']:>5} {r['dtype']:<9} {1e3 * r['median_s']['baseline']:>8.1f} "
                 f"{r['ratio_numatp1_vs_baseline']:>9.2f}" + cols(r, "numatp-2") + cols(r, "numatp-4"))

@@ -77,6 +77,22 @@ def test_non_contiguous_partial_is_reduced_by_value():
     assert torch.equal(outs[0], parts[0] + parts[1])
 
 
+@pytest.mark.parametrize("numel", [7, FUSED_BYTES])   # the fused sum and reduce-scatter + all-gather
+def test_waiting_for_a_late_socket_is_counted_apart(numel):
+    # the time an all-reduce spends waiting for the last socket to arrive is the peers' imbalance, not
+    # the reduction's work: the socket that came first counts the delay, the late one almost nothing
+    comm = SocketComm(2)
+
+    def task(rank: int) -> torch.Tensor:
+        if rank == 1:
+            time.sleep(0.3)
+        return comm.all_reduce(rank, torch.ones(numel))
+
+    outs = _on_threads(2, task)
+    assert all(torch.equal(o, torch.full((numel,), 2.0)) for o in outs)
+    assert comm.waited_seconds[0] >= 0.25 and comm.waited_seconds[1] < 0.1, comm.waited_seconds
+
+
 def test_timeout_names_the_socket_that_never_came():
     comm = SocketComm(3, timeout=0.3)
     start = time.perf_counter()
@@ -205,6 +221,21 @@ def test_op_sums_the_partials_of_the_sockets_that_entered(dtype, numel):
         results = group.run(lambda r: _op_reduce(group, r, parts[r]))
     for out, (seconds, count) in results:
         assert torch.equal(out, want) and count == 1 and seconds > 0
+
+
+def test_op_counts_the_waiting_for_a_late_socket_at_leave():
+    load_ops()
+    with SocketGroup(Topology.virtual(sockets=2)) as group:
+        def task(rank):
+            if rank == 1:
+                time.sleep(0.3)
+            return _op_reduce(group, rank, torch.ones(4))
+
+        results = group.run(task)
+        waited = group.comm.waited_seconds
+    assert [count for _, (_, count) in results] == [1, 1]
+    assert waited[0] >= 0.25 and waited[1] < 0.1, waited
+    assert results[0][1][0] >= waited[0]   # the waiting is part of the time in the reduction
 
 
 def test_op_outside_a_socket_worker_says_so_and_rehearsal_copies():

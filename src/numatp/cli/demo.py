@@ -107,12 +107,14 @@ def run(args: argparse.Namespace) -> int:
         executors = [v.executor for g in backend.graphs for v in g.variants.values() if v.executor is not None]
         for ex in executors:   # the collectives' shares are of the timed calls only
             ex.sync_seconds[:] = [0.0] * len(ex.sync_seconds)
+            ex.wait_seconds[:] = [0.0] * len(ex.wait_seconds)
             ex.gather_seconds[:] = [0.0] * len(ex.gather_seconds)
         for i in range(args.iters):
             for name, fn in modes.items():
                 times[name] += _time(fn, inputs, 0, 1)
     report = numatp.placement_report(tp)
     sync = max(sum(ex.sync_seconds[r] for ex in executors) for r in range(topo.num_sockets))
+    work = max(sum(ex.sync_seconds[r] - ex.wait_seconds[r] for ex in executors) for r in range(topo.num_sockets))
     gather = max(sum(ex.gather_seconds[r] for ex in executors) for r in range(topo.num_sockets))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model: {args.model}{' (tiny)' if args.tiny else ''}, batch {args.batch} x seq {args.seq}, {args.dtype}")
@@ -131,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
              f"{topo.num_sockets} programs on their own CPUs against one on all of them)"
              if topo.is_virtual else ""))
     print(f"all-reduce + barrier: {100 * sync / args.iters / med['sharded']:.1f}% of numatp's prefill "
-          "(time in the reductions, waiting for the slowest socket included)")
+          "(time in the reductions, waiting for the slowest socket included); the reductions' own work: "
+          f"{100 * work / args.iters / med['sharded']:.1f}% (the rest is waiting: the sockets' programs "
+          "finishing apart, from uneven speed or other work on their CPUs)")
     if gather:
         print(f"gather of the column-sharded output: {100 * gather / args.iters / med['sharded']:.1f}% "
               "(each socket copies its columns into the full tensor)")

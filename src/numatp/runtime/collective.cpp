@@ -181,15 +181,17 @@ int numatp_barrier(void* comm, int rank, double timeout_s, std::uint64_t* missin
 
 // dst = sum over ranks of their src; numel elements of dtype 0 (float32) or 1 (bfloat16), contiguous.
 // fused_bytes: at or below this size every rank sums everything (one barrier fewer).
+// *waited += the seconds this rank spent in the first barrier: waiting for the last peer to arrive.
 // Returns as numatp_barrier; on 1 or 2, dst holds nothing usable.
 int numatp_all_reduce(void* comm, int rank, const void* src, void* dst, std::int64_t numel, int dtype,
-                      std::int64_t fused_bytes, double timeout_s, std::uint64_t* missing) {
+                      std::int64_t fused_bytes, double timeout_s, std::uint64_t* missing, double* waited) {
   Comm* c = static_cast<Comm*>(comm);
-  const double deadline = now_seconds() + timeout_s;
+  const double start = now_seconds(), deadline = start + timeout_s;
   const std::int64_t elsize = dtype == 0 ? 4 : 2;
   c->slots[rank].src = src;
   c->slots[rank].dst = dst;
   int rc = barrier(c, rank, deadline, missing);  // every src and dst is published
+  *waited += now_seconds() - start;
   if (rc) return rc;
   if (numel * elsize <= fused_bytes) {
     reduce_range(c, dtype, dst, 0, numel);

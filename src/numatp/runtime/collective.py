@@ -64,18 +64,19 @@ def library() -> ctypes.CDLL:
 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    vp, i64, u64p = ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_uint64)
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    u64p, f64p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_double)
     lib.numatp_comm_new.argtypes, lib.numatp_comm_new.restype = [ctypes.c_int], vp
     lib.numatp_comm_free.argtypes, lib.numatp_comm_free.restype = [vp], None
     lib.numatp_comm_abort.argtypes, lib.numatp_comm_abort.restype = [vp], None
     lib.numatp_comm_reset.argtypes, lib.numatp_comm_reset.restype = [vp], None
     lib.numatp_barrier.argtypes = [vp, ctypes.c_int, ctypes.c_double, u64p]
     lib.numatp_barrier.restype = ctypes.c_int
-    lib.numatp_all_reduce.argtypes = [vp, ctypes.c_int, vp, vp, i64, ctypes.c_int, i64, ctypes.c_double, u64p]
+    lib.numatp_all_reduce.argtypes = [vp, ctypes.c_int, vp, vp, i64, ctypes.c_int, i64, ctypes.c_double, u64p, f64p]
     lib.numatp_all_reduce.restype = ctypes.c_int
     lib.numatp_socket_enter.argtypes = [vp, ctypes.c_int, ctypes.c_double, i64, ctypes.c_int]
     lib.numatp_socket_enter.restype = None
-    lib.numatp_socket_leave.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.POINTER(i64), u64p]
+    lib.numatp_socket_leave.argtypes = [f64p, f64p, ctypes.POINTER(i64), u64p]
     lib.numatp_socket_leave.restype = ctypes.c_int
     lib.numatp_socket_rehearse.argtypes, lib.numatp_socket_rehearse.restype = [], None
     return lib
@@ -90,8 +91,8 @@ def rehearsal() -> Iterator[None]:
     try:
         yield
     finally:
-        lib.numatp_socket_leave(ctypes.byref(ctypes.c_double()), ctypes.byref(ctypes.c_int64()),
-                                ctypes.byref(ctypes.c_uint64()))
+        lib.numatp_socket_leave(ctypes.byref(ctypes.c_double()), ctypes.byref(ctypes.c_double()),
+                                ctypes.byref(ctypes.c_int64()), ctypes.byref(ctypes.c_uint64()))
 
 
 class SocketComm:
@@ -99,7 +100,10 @@ class SocketComm:
 
     Every worker calls the same operations in the same order with its own ``rank``. ``abort`` (any
     thread) makes every barrier in progress and to come fail with :class:`CommAborted` until ``reset``,
-    which the group calls between calls, when no worker is inside one.
+    which the group calls between calls, when no worker is inside one. ``waited_seconds[rank]`` adds up
+    the time ``rank`` spent in its all-reduces waiting for the last peer to arrive (those run from
+    compiled segments counted at :meth:`leave`): the part of a reduction's time that is the peers'
+    imbalance, not the reduction's work.
     """
 
     def __init__(self, size: int, *, timeout: float = 600.0, fused_bytes: int = FUSED_BYTES):
@@ -108,6 +112,7 @@ class SocketComm:
         self.size = size
         self.timeout = float(timeout)
         self.fused_bytes = int(fused_bytes)
+        self.waited_seconds = [0.0] * size
         self._lib = library()
         self._comm = self._lib.numatp_comm_new(size)
         assert self._comm, "numatp_comm_new refused a size in range"
@@ -127,9 +132,11 @@ class SocketComm:
         elif out.shape != src.shape or out.dtype != src.dtype or not out.is_contiguous():
             raise ValueError(f"all_reduce: out must be contiguous {tuple(src.shape)} {src.dtype}, got "
                              f"{tuple(out.shape)} {out.dtype}")
-        missing = ctypes.c_uint64(0)
+        missing, waited = ctypes.c_uint64(0), ctypes.c_double(0)
         rc = self._lib.numatp_all_reduce(self._comm, rank, src.data_ptr(), out.data_ptr(), src.numel(),
-                                         _DTYPES[src.dtype], self.fused_bytes, self.timeout, ctypes.byref(missing))
+                                         _DTYPES[src.dtype], self.fused_bytes, self.timeout, ctypes.byref(missing),
+                                         ctypes.byref(waited))
+        self.waited_seconds[rank] += waited.value
         self._check(rc, rank, missing, "an all-reduce")
         return out
 
@@ -141,8 +148,10 @@ class SocketComm:
     def leave(self, rank: int) -> tuple[float, int]:
         """End :meth:`enter` on the calling thread: (seconds spent in ``numatp::socket_all_reduce``, reductions
         completed); raises :class:`CommAborted` or :class:`CollectiveTimeout` if one of them failed."""
-        seconds, count, missing = ctypes.c_double(0), ctypes.c_int64(0), ctypes.c_uint64(0)
-        rc = self._lib.numatp_socket_leave(ctypes.byref(seconds), ctypes.byref(count), ctypes.byref(missing))
+        seconds, waited, count, missing = ctypes.c_double(0), ctypes.c_double(0), ctypes.c_int64(0), ctypes.c_uint64(0)
+        rc = self._lib.numatp_socket_leave(ctypes.byref(seconds), ctypes.byref(waited), ctypes.byref(count),
+                                           ctypes.byref(missing))
+        self.waited_seconds[rank] += waited.value
         self._check(rc, rank, missing, "an all-reduce")
         return seconds.value, count.value
 

@@ -16,7 +16,8 @@ every socket holds the same bits. The partial is dropped as the call returns, so
 the partials of the reduction in progress; a value is dropped from a worker's environment after its
 last use. ``performed`` counts the collectives the workers completed, per kind, over all calls. Per
 socket, ``sync_seconds`` adds up the time spent in all-reduces (waiting for the slowest socket
-included) and ``gather_seconds`` the time spent gathering a column-sharded output (the copy of a shard
+included; ``wait_seconds``: that waiting alone, the time from the socket's arrival at a reduction to
+the last peer's) and ``gather_seconds`` the time spent gathering a column-sharded output (the copy of a shard
 into the full tensor, whose fresh pages fault in as it is written; a matmul that writes its columns in
 place counts as compute, not gather). No socket waits for another at a gather: the full tensor is
 allocated before the workers start, and each writes its columns when it gets there.
@@ -76,6 +77,7 @@ class ShardedExecutor:
         self.gemm = gemm
         self.programs: list[SocketProgram] = []
         self.sync_seconds = [0.0] * group.size     # per socket: in all-reduces
+        self.wait_seconds = [0.0] * group.size     # per socket: of which waiting for the last peer
         self.gather_seconds = [0.0] * group.size   # per socket: in all-gathers
         self.swaps: list[dict[int, tuple]] = []
         self.reads: list[dict[int, torch.Tensor]] = []   # per rank: weights these programs read instead
@@ -179,8 +181,13 @@ class ShardedExecutor:
         def work(rank: int) -> list[Any]:
             if not self.inline_reductions:
                 return steps(rank)
-            with group.compiled_collectives(rank) as done:   # the reductions inside compiled segments
-                out = steps(rank)
+            waited = group.comm.waited_seconds
+            w0 = waited[rank]
+            try:
+                with group.compiled_collectives(rank) as done:   # the reductions inside compiled segments
+                    out = steps(rank)
+            finally:
+                self.wait_seconds[rank] += waited[rank] - w0
             sync[rank] += done[0]
             if rank == 0:
                 performed["all_reduce"] += done[1]

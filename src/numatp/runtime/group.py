@@ -21,6 +21,7 @@ import contextlib
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -203,7 +204,9 @@ class SocketGroup:
     def _torch_all_reduce(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
         slots = self._shared.slots
         slots[rank] = partial
+        t0 = time.perf_counter()
         self.barrier(rank)
+        self.comm.waited_seconds[rank] += time.perf_counter() - t0
         total = slots[0] + slots[1]
         for p in slots[2:]:
             total += p

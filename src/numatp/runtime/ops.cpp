@@ -143,7 +143,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 // numatp_socket_leave, and throws.
 
 extern "C" int numatp_all_reduce(void* comm, int rank, const void* src, void* dst, std::int64_t numel, int dtype,
-                                 std::int64_t fused_bytes, double timeout_s, std::uint64_t* missing);
+                                 std::int64_t fused_bytes, double timeout_s, std::uint64_t* missing,
+                                 double* waited);
 
 namespace {
 
@@ -156,6 +157,7 @@ struct Socket {
   int failed = 0;              // the collective's code of the first failure
   std::uint64_t missing = 0;
   double seconds = 0;          // in all-reduces, waiting for peers included
+  double waited = 0;           // of which waiting for the last peer to arrive
   std::int64_t count = 0;      // all-reduces completed
   bool rehearsal = false;      // a warm-up run on one thread: a result is a copy of the partial
 };
@@ -202,7 +204,7 @@ std::tuple<at::Tensor, at::Tensor> all_reduce(const at::Tensor& x, const std::op
   std::uint64_t missing = 0;
   const double t0 = now();
   const int rc = numatp_all_reduce(s.comm, s.rank, src.data_ptr(), out.data_ptr(), src.numel(), dtype,
-                                   s.fused_bytes, s.timeout, &missing);
+                                   s.fused_bytes, s.timeout, &missing, &s.waited);
   s.seconds += now() - t0;
   if (rc != 0) {
     if (!s.failed) {
@@ -232,8 +234,9 @@ void numatp_socket_rehearse() {
 }
 
 // What the socket did since it entered; returns the first failure's code (0: none).
-int numatp_socket_leave(double* seconds, std::int64_t* count, std::uint64_t* missing) {
+int numatp_socket_leave(double* seconds, double* waited, std::int64_t* count, std::uint64_t* missing) {
   *seconds = socket_.seconds;
+  *waited = socket_.waited;
   *count = socket_.count;
   *missing = socket_.missing;
   const int failed = socket_.failed;
