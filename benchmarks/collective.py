@@ -9,7 +9,13 @@ reduction the collective replaced (each socket posts its partial in a list, wait
 ``threading.Barrier``, then sums all partials with torch), with the bandwidth the compiled time implies
 (tensor bytes / time) and the target of the runtime issue: 10 us (2 sockets; 20 us from 8) plus the
 tensor's bytes at this machine's memory bandwidth, taken from a copy of the same size on one socket.
-One JSON line per row with ``--json``.
+
+A reduction cannot avoid reading what its peers just wrote: a socket reads (N-1)/N of every peer's
+partial and, above the fused size, (N-1)/N of the total from the slices' owners, each freshly written
+on another socket (in its cache, or in its memory on a real server). The "peer GB/s" column is a copy
+of such data (every socket copies a buffer of the row's size that the next socket has just written),
+and "floor us" those bytes at that rate: the time a reduction would take if it did nothing but the
+reads it cannot avoid. One JSON line per row with ``--json``.
 
     python benchmarks/collective.py --sockets 2 --dtype float32
     python benchmarks/collective.py --sockets 2 4 --sizes 1K 64K 1536K 16M --iters 50
@@ -41,6 +47,29 @@ def _median_us(group, fn, iters: int) -> float:
             fn(rank)
             times.append(time.perf_counter() - t0)
         return times
+
+    per_rank = group.run(work)
+    return 1e6 * statistics.median(max(ts) for ts in zip(*per_rank))
+
+
+def _peer_copy_us(group, barrier_rank, numel: int, dtype, iters: int) -> float:
+    """Median microseconds of one socket copying ``numel`` elements the next socket has just written."""
+    import torch
+
+    bufs = group.run(lambda r: torch.zeros(numel, dtype=dtype))
+    outs = group.run(lambda r: torch.empty(numel, dtype=dtype))
+
+    def work(rank: int) -> list[float]:
+        peer = (rank + 1) % group.size
+        times = []
+        for i in range(iters + 1):
+            bufs[rank].fill_(i)    # written on this socket, as a GEMM leaves its partial
+            barrier_rank(rank)
+            t0 = time.perf_counter()
+            outs[rank].copy_(bufs[peer])
+            times.append(time.perf_counter() - t0)
+            barrier_rank(rank)     # nobody writes a buffer a peer is still reading
+        return times[1:]
 
     per_rank = group.run(work)
     return 1e6 * statistics.median(max(ts) for ts in zip(*per_rank))
@@ -91,7 +120,8 @@ def main() -> None:
     cpus = len(os.sched_getaffinity(0))
     if not args.json:
         print(f"{'sockets':>7} {'bytes':>10} {'C++ us':>9} {'compiled us':>11} {'Python us':>10} "
-              f"{'compiled GB/s':>13} {'copy GB/s':>9} {'target us':>9} {'meets':>5}")
+              f"{'compiled GB/s':>13} {'copy GB/s':>9} {'target us':>9} {'meets':>5} {'peer GB/s':>9} "
+              f"{'floor us':>8}")
     for n in args.sockets:
         if n > cpus:
             raise SystemExit(f"--sockets {n}: this machine has {cpus} CPUs; virtual sockets need one CPU each")
@@ -128,14 +158,21 @@ def main() -> None:
                 real = numel * src.element_size()
                 copy_gbs = 2 * real / copy_us / 1e3          # read + write
                 target = (10 if n < 8 else 20) + 2 * real / copy_gbs / 1e3
+                peer_gbs = real / _peer_copy_us(group, group.barrier, numel, dtype, args.iters) / 1e3
+                # bytes each socket must read from its peers: all of N-1 partials when every socket sums
+                # everything (at or below the fused size), else (N-1)/N of the partials and of the total
+                fused = real <= group.comm.fused_bytes
+                peer_bytes = (n - 1) * real if fused else 2 * (n - 1) / n * real
+                floor = peer_bytes / peer_gbs / 1e3
                 row = {"sockets": n, "bytes": real, "dtype": args.dtype, "cpp_us": c_us, "compiled_us": k_us,
                        "python_us": p_us, "compiled_gbs": real / k_us / 1e3, "copy_gbs": copy_gbs,
-                       "target_us": target, "meets": k_us <= target}
+                       "target_us": target, "meets": k_us <= target, "peer_gbs": peer_gbs, "floor_us": floor}
                 if args.json:
                     print(json.dumps(row))
                 else:
                     print(f"{n:>7} {real:>10} {c_us:>9.1f} {k_us:>11.1f} {p_us:>10.1f} {row['compiled_gbs']:>13.2f} "
-                          f"{copy_gbs:>9.2f} {target:>9.1f} {'yes' if row['meets'] else 'no':>5}")
+                          f"{copy_gbs:>9.2f} {target:>9.1f} {'yes' if row['meets'] else 'no':>5} {peer_gbs:>9.2f} "
+                          f"{floor:>8.1f}")
 
 
 if __name__ == "__main__":
