@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -89,6 +90,28 @@ def test_the_logits_gather_writes_each_sockets_matmul_in_place(family, gemm, in_
             assert step.full == (tuple(expected.shape), expected.dtype)
     assert sum(v.executor.performed["all_gather"] for g in backend_of(compiled).graphs
                for v in g.variants.values()) == 1
+
+
+def test_the_executor_counts_the_waiting_for_a_late_socket_apart():
+    """A socket whose program runs late makes the other wait at the next reduction: the executor's
+    wait_seconds say so per socket, inside its time in the reductions (sync_seconds)."""
+    _, inputs, compiled, expected, _ = _eager_and_compiled("gpt2", torch.float32, 2, "eager")
+    (executor,) = [v.executor for g in backend_of(compiled).graphs for v in g.variants.values()]
+    late = next(s for s in executor.programs[1].steps if hasattr(s, "compiled"))
+    run = late.compiled
+
+    def slow(*args):
+        time.sleep(0.3)
+        return run(*args)
+
+    late.compiled = slow
+    executor.sync_seconds[:] = [0.0, 0.0]
+    executor.wait_seconds[:] = [0.0, 0.0]
+    with torch.inference_mode():
+        assert_close_to_eager(compiled(**inputs).logits, expected, "a late socket")
+    sync, wait = executor.sync_seconds, executor.wait_seconds
+    assert wait[0] >= 0.25 and wait[1] < 0.1, (sync, wait)
+    assert all(0 <= w <= s for w, s in zip(wait, sync)), (sync, wait)
 
 
 def test_graph_breaks_give_several_graphs():
