@@ -31,9 +31,13 @@ log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 echo "numa-suite: $expected tests in a $nodes-node guest"
 set +e
-# The first guest compiles numatp's C++ library under emulation (about 6 minutes on a 2-core Xeon, longer
-# on slower hosts): 40 minutes per guest, within the CI run's 90.
-QNUMA_NODES=$nodes QNUMA_RW=$NUMATP_CACHE_DIR QNUMA_TIMEOUT=${QNUMA_TIMEOUT:-2400} "$vm" python -m pytest "${pytest_args[@]}" -rA 2>&1 | tee "$log"
+# The first guest compiles numatp's C++ library under emulation (about 6-10 minutes on a 2-core Xeon,
+# longer on slower hosts): 40 minutes per guest, within the CI run's 90. 2 GiB per node: with 1 GiB, a
+# 2-node guest holds pytest with torch imported beside three compilers (ops.cpp's alone peaks at 540 MiB
+# on the host), and once it did not finish ops.cpp within the 40 minutes, where the next run built all
+# three in 10 (memory pressure is the likely cause, not verified).
+QNUMA_NODES=$nodes QNUMA_MEM_PER_NODE=${QNUMA_MEM_PER_NODE:-2G} QNUMA_RW=$NUMATP_CACHE_DIR \
+  QNUMA_TIMEOUT=${QNUMA_TIMEOUT:-2400} "$vm" python -m pytest "${pytest_args[@]}" -rA 2>&1 | tee "$log"
 rc=${PIPESTATUS[0]}
 set -e
 passed=$(grep -c '^PASSED ' "$log" || true)
