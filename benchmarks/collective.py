@@ -37,42 +37,36 @@ def _size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def _median_us(group, fn, iters: int) -> float:
-    """Median microseconds of one ``fn(rank)`` over ``iters`` back-to-back calls on every socket."""
+def _median_us(group, fn, iters: int, before=None) -> float:
+    """Median microseconds of one ``fn(rank)`` over ``iters`` back-to-back calls on every socket, each
+    after an untimed ``before(rank)`` where one is given."""
     def work(rank: int) -> list[float]:
-        fn(rank)   # warm: allocations, the OpenMP team, first touches
         times = []
-        for _ in range(iters):
+        for _ in range(iters + 1):   # the first warms: allocations, the OpenMP team, first touches
+            if before is not None:
+                before(rank)
             t0 = time.perf_counter()
             fn(rank)
             times.append(time.perf_counter() - t0)
-        return times
+        return times[1:]
 
     per_rank = group.run(work)
     return 1e6 * statistics.median(max(ts) for ts in zip(*per_rank))
 
 
-def _peer_copy_us(group, barrier_rank, numel: int, dtype, iters: int) -> float:
+def _peer_copy_us(group, numel: int, dtype, iters: int) -> float:
     """Median microseconds of one socket copying ``numel`` elements the next socket has just written."""
     import torch
 
     bufs = group.run(lambda r: torch.zeros(numel, dtype=dtype))
     outs = group.run(lambda r: torch.empty(numel, dtype=dtype))
 
-    def work(rank: int) -> list[float]:
-        peer = (rank + 1) % group.size
-        times = []
-        for i in range(iters + 1):
-            bufs[rank].fill_(i)    # written on this socket, as a GEMM leaves its partial
-            barrier_rank(rank)
-            t0 = time.perf_counter()
-            outs[rank].copy_(bufs[peer])
-            times.append(time.perf_counter() - t0)
-            barrier_rank(rank)     # nobody writes a buffer a peer is still reading
-        return times[1:]
+    def write(rank: int) -> None:
+        group.barrier(rank)    # nobody writes a buffer a peer is still reading
+        bufs[rank].add_(1)     # written on this socket, as a GEMM leaves its partial
+        group.barrier(rank)
 
-    per_rank = group.run(work)
-    return 1e6 * statistics.median(max(ts) for ts in zip(*per_rank))
+    return _median_us(group, lambda r: outs[r].copy_(bufs[(r + 1) % group.size]), iters, before=write)
 
 
 def _chain(numel: int, dtype, k: int):
@@ -158,7 +152,7 @@ def main() -> None:
                 real = numel * src.element_size()
                 copy_gbs = 2 * real / copy_us / 1e3          # read + write
                 target = (10 if n < 8 else 20) + 2 * real / copy_gbs / 1e3
-                peer_gbs = real / _peer_copy_us(group, group.barrier, numel, dtype, args.iters) / 1e3
+                peer_gbs = real / _peer_copy_us(group, numel, dtype, args.iters) / 1e3
                 # bytes each socket must read from its peers: all of N-1 partials when every socket sums
                 # everything (at or below the fused size), else (N-1)/N of the partials and of the total
                 fused = real <= group.comm.fused_bytes
