@@ -15,6 +15,7 @@ from numatp import zoo
 from numatp.backend import NumaTPBackend, backend_of, placement_report
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.runtime import SocketError, SocketGroup
+from numatp.runtime.gemm import NATIVE
 from numatp.topology import Topology
 from tests.helpers import all_gathers, assert_close_to_eager, shared_cpu_topology
 
@@ -73,10 +74,12 @@ def test_inductor_one_socket_is_cut_once_per_layer():
 @pytest.mark.parametrize(("family", "gemm", "in_place", "bias"), [
     ("gpt2", False, True, False),         # tied head: mm(x, permute(wte)) on ATen
     ("bert-small", False, True, True),    # MLM decoder: addmm(bias, x, permute(W))
-    ("llama", GemmOptions(force="onednn_packed"), False, False)])   # a provider's numatp::linear: copied
+    ("gpt2", GemmOptions(force="mkl_packed"), True, False),   # MKL's packed GEMM writes its columns itself
+    ("llama", GemmOptions(force="onednn_packed"), False, False)])   # oneDNN's numatp::linear: copied
 def test_the_logits_gather_writes_each_sockets_matmul_in_place(family, gemm, in_place, bias, tmp_path):
     """On 2 sockets the LM head's columns are written by each socket's matmul straight into the full
-    logits where the head is an ATen matmul; a provider's op keeps the shard and its copy. Both equal eager."""
+    logits where the head is an ATen matmul or MKL's packed GEMM; another provider's op keeps the shard
+    and its copy. All equal eager."""
     if isinstance(gemm, GemmOptions):
         gemm = GemmOptions(force=gemm.force, cache_dir=str(tmp_path))
     *_, compiled, expected, actual = _eager_and_compiled(family, torch.float32, 2, "eager", gemm=gemm)
@@ -87,6 +90,8 @@ def test_the_logits_gather_writes_each_sockets_matmul_in_place(family, gemm, in_
         assert (step.matmul is not None) == in_place
         if in_place:
             assert (step.matmul.bias is not None) == bias
+            forced = gemm.force if isinstance(gemm, GemmOptions) else None
+            assert step.matmul.provider == (NATIVE[forced] if forced else None)
             assert step.full == (tuple(expected.shape), expected.dtype)
     assert sum(v.executor.performed["all_gather"] for g in backend_of(compiled).graphs
                for v in g.variants.values()) == 1

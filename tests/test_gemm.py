@@ -444,6 +444,46 @@ def test_a_gathered_lm_head_is_measured_into_the_full_logits_and_runs_in_place_w
     assert not all_gathers(one)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_mkl_packed_writes_its_columns_of_a_wider_tensor_in_place(bias):
+    """numatp's MKL packing is a plain float32 tensor (placeable, its pages readable) and its GEMM writes an
+    (M, N) block of a wider tensor itself: the block equals x @ W^T (+ b), every other column is untouched."""
+    from numatp.runtime.gemm import NATIVE
+
+    m, n, k = 24, 96, 64
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    b = b if bias else None
+    op = PROVIDERS["mkl_packed"].prepare(w, m)
+    assert op.layout == torch.strided and op.dtype == torch.float32 and op.dim() == 1
+    expected = x @ w.t() + (b if bias else 0)
+    torch.testing.assert_close(PROVIDERS["mkl_packed"].call(x, op, b, n, k), expected, rtol=1e-5, atol=1e-4)
+    full = torch.full((m, n + 50), -3.0)
+    torch.ops.numatp.linear_into(x, op, b, NATIVE["mkl_packed"], n, k, full[:, 30:30 + n])
+    torch.testing.assert_close(full[:, 30:30 + n], expected, rtol=1e-5, atol=1e-4)
+    assert (full[:, :30] == -3.0).all() and (full[:, 30 + n:] == -3.0).all()
+    # another provider's output is copied into the block, with the same result
+    full2 = torch.full((m, n + 50), -3.0)
+    onednn = PROVIDERS["onednn"].prepare(w, m)
+    torch.ops.numatp.linear_into(x, onednn, b, NATIVE["onednn"], n, k, full2[:, 30:30 + n])
+    torch.testing.assert_close(full2, full, rtol=1e-5, atol=1e-4)
+
+
+def test_mkl_packed_serves_other_rows_and_refuses_another_shape_or_a_bad_output():
+    from numatp.runtime.gemm import NATIVE
+
+    w = torch.randn(40, 16)
+    op = PROVIDERS["mkl_packed"].prepare(w, 8)
+    for rows in (1, 5, 33):   # packed for 8 rows, as a variant of another sequence length reuses it
+        x = torch.randn(rows, 16)
+        torch.testing.assert_close(PROVIDERS["mkl_packed"].call(x, op, None, 40, 16), x @ w.t(), rtol=1e-5, atol=1e-4)
+    with pytest.raises(RuntimeError, match=r"packed as \(N, K\) = \(40, 16\)"):
+        PROVIDERS["mkl_packed"].call(torch.randn(8, 16), op, None, 41, 16)
+    with pytest.raises(RuntimeError, match="unit column stride"):
+        torch.ops.numatp.linear_into(torch.randn(8, 16), op, None, NATIVE["mkl_packed"], 40, 16,
+                                     torch.empty(40, 8).t())
+
+
 def test_measure_all_times_every_provider_in_rounds():
     from numatp.runtime.gemm import measure_all
 
@@ -452,7 +492,8 @@ def test_measure_all_times_every_provider_in_rounds():
     assert set(rates) == set(PROVIDERS)
     assert rates["mkl_packed_f32"] == 0.0                  # a bf16-only provider cannot run fp32
     assert all(rates[p] > 0 for p in ("aten", "onednn", "onednn_packed", "mkl_packed"))
-    # written into a wider tensor (a gathered LM head): ATen in place, the others by a copy
+    # written into a wider tensor (a gathered LM head): ATen and MKL's packed GEMM in place, the others by
+    # a copy
     into = measure_all(PROVIDERS, GemmShape(64, 128, 96, "float32", "nk", 1, 200), min_seconds=0.01, max_calls=3)
     assert all(into[p] > 0 for p in ("aten", "onednn", "onednn_packed", "mkl_packed"))
 

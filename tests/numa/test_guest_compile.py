@@ -37,7 +37,7 @@ def test_compiled_tiny_gpt2_places_shards_and_matches_eager(topology):
 
 @pytest.mark.parametrize("provider", ["onednn_packed", "mkl_packed"])
 def test_packed_gemm_weight_is_made_in_its_socket_node(topology, provider):
-    # Packed operands are opaque (no data pointer for pages_by_node), so their node is read from the
+    # oneDNN's packed operands are opaque (no data pointer for pages_by_node), so their node is read from the
     # process's anonymous resident bytes per node (numa_maps): packing must add the weight's size, and
     # freeing it must give those bytes back from the socket's own node. The free is what is measured, and
     # only totals elsewhere: the guest's kernel balances NUMA and moves other pages between nodes at any
@@ -62,6 +62,10 @@ def test_packed_gemm_weight_is_made_in_its_socket_node(topology, provider):
             before = process_bytes_by_node(anonymous=True)
             made = group.run(lambda r: _prepare(PROVIDERS[provider], w, 64, "nk") if r == rank else None)
             assert made[rank]._numatp_gemm.provider == provider
+            if made[rank].layout == torch.strided:   # MKL's packed weight is a plain tensor: its pages are read
+                from numatp.placement import pages_by_node
+                assert set(pages_by_node(made[rank])) == {socket.node}, \
+                    f"socket {rank}: packed weight's pages {pages_by_node(made[rank])}"
             gc.collect()
             packed = process_bytes_by_node(anonymous=True)
             grew = change(before, packed)

@@ -78,20 +78,27 @@ class WeightStore:
 
     def report(self) -> dict[str, Any]:
         """Pages per node of each socket's weights (a plain weight kept beside a prompt's packed copy
-        included), and the share of pages on the socket's own node."""
+        included), and the share of pages on the socket's own node; ``packed_tensors`` counts the packed
+        GEMM operands held in place of plain weights, ``opaque_tensors`` those of them whose pages cannot
+        be read (oneDNN's, or the constant inside an Inductor GEMM kernel: MKL's packed weights are
+        plain tensors, counted in the pages)."""
+        from numatp.runtime.gemm import PROVIDERS
+
         ranks = []
-        local = total = opaque = 0
+        local = total = opaque = packed = 0
         for r, sock in enumerate(self.topology.sockets):
             pages: dict[int, int] = {}
             for key, t in self._made.items():
                 if key[-1] != r:
                     continue
-                kept = getattr(getattr(t, "_numatp_gemm", None), "plain", None)
+                info = getattr(t, "_numatp_gemm", None)
+                packed += info is not None and PROVIDERS[info.provider].packed
+                kept = getattr(info, "plain", None)
                 if kept is not None:   # the weight as stored, kept beside a prompt's copy for the decode steps
                     for node, n in pages_by_node(kept).items():
                         pages[node] = pages.get(node, 0) + n
                 if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-                    # a packed GEMM weight (oneDNN/MKL opaque tensor, or the constant inside an Inductor
+                    # a packed GEMM weight (oneDNN's opaque tensor, or the constant inside an Inductor
                     # GEMM kernel) has no data pointer to ask the kernel about; it was allocated by the
                     # socket's worker, under its memory binding
                     opaque += 1
@@ -102,4 +109,4 @@ class WeightStore:
             local += pages.get(sock.node, 0)
             total += sum(n for node, n in pages.items() if node >= 0)
         return {"ranks": ranks, "local_fraction": (local / total) if total else 0.0,
-                "virtual": self.topology.is_virtual, "tensors": len(self._made), "packed_tensors": opaque}
+                "virtual": self.topology.is_virtual, "tensors": len(self._made), "packed_tensors": packed, "opaque_tensors": opaque}

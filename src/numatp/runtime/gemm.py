@@ -9,7 +9,10 @@ answers differ), so numatp measures them:
 - ``aten``: ``torch.mm`` / ``addmm``, what Inductor calls by default (MKL for fp32 on x86);
 - ``onednn``: ``mkldnn._linear_pointwise`` on the plain weight;
 - ``onednn_packed``: the same op on a weight reordered once by ``mkldnn._reorder_linear_weight``;
-- ``mkl_packed``: ``mkl._mkl_linear`` on a weight packed once by ``mkl._mkl_reorder_linear_weight`` (fp32);
+- ``mkl_packed``: MKL's packed-B GEMM (``cblas_sgemm_compute``, from the MKL inside torch) on a weight
+  packed once by ``numatp::mkl_pack`` (fp32; ``ops.cpp``): like torch's ``mkl._mkl_linear``, but the
+  packed weight is a plain tensor (placed and checked page by page like any weight) and the kernel
+  writes into the columns of a wider tensor (a gathered LM head) without a copy;
 - ``mkl_packed_f32``: for bf16, the same in fp32 on an upcast packed weight (twice the bytes);
 - ``gemv``: numatp's own kernel for up to 16 rows (a decode step), on the weight as stored, in C++
   (``gemv.cpp``): it streams the weight once per call, where the others are built for many rows;
@@ -17,7 +20,8 @@ answers differ), so numatp measures them:
   it blocks and packs as a graph constant; compiling makes it slow to measure, so it runs only when
   ``GemmOptions.providers`` names it.
 
-Packed weights are opaque tensors (``layout=torch._mkldnn``) or MKL's buffers: a packed provider replaces
+Packed weights are opaque tensors (``layout=torch._mkldnn``, oneDNN's) or MKL's buffers (plain float32
+tensors, a header then MKL's bytes): a packed provider replaces
 the plain shard, and compiled segments call it through ``numatp::linear`` (``ops.cpp``; see
 :mod:`numatp.plan.gemm_pass`). Rates are GFLOP/s (``2 M K N``
 per call), keyed by ``(dtype, M, K, N, layout, threads)`` in ``gemm-<cpu signature>-v<format>.json``; the
@@ -49,7 +53,7 @@ log = logging.getLogger("numatp")
 
 __all__ = ["Provider", "PROVIDERS", "GemmShape", "GemmTable", "measure", "measure_all", "cpu_signature", "ceilings",
            "ceiling_table", "measure_ceilings", "CEILING_SHAPE", "best_provider", "default_cache_dir", "GEMM_OP",
-           "GemmStep", "PackInfo", "gemm", "stand_in", "NATIVE", "native_code", "GEMV_MAX_ROWS",
+           "GemmStep", "PackInfo", "gemm", "stand_in", "NATIVE", "native_code", "GEMV_MAX_ROWS", "IN_PLACE",
            "streamed_copies", "streams", "STREAM_MAX_BYTES"]
 
 mkldnn = torch.ops.mkldnn
@@ -67,8 +71,8 @@ class GemmShape:
     threads: int
     into: int = 0
     """Nonzero: the output is gathered into a full tensor of this many columns (a column-parallel LM
-    head). Each call then writes its N columns there: ``aten`` in place (``torch.mm(..., out=)``), any
-    other provider by a copy of its own output, so the rates compare what the gather will run."""
+    head). Each call then writes its N columns there: ``aten`` and ``mkl_packed`` in place (:data:`IN_PLACE`),
+    any other provider by a copy of its own output, so the rates compare what the gather will run."""
     stream: bool = False
     """The weight comes from memory, not cache, at every call: a decode step's few rows in a program whose
     weights outgrow the cache (:func:`streams`). Timed on a ring of copies (:func:`measure_all`)."""
@@ -105,7 +109,7 @@ class Provider:
 
     name: str
     dtypes: tuple[torch.dtype, ...]
-    packed: bool        # the operand is an opaque packed tensor that replaces the plain weight
+    packed: bool        # the operand is a packed copy (opaque, or MKL's buffer) that replaces the plain weight
     prepare: Callable[[torch.Tensor, int], torch.Tensor]
     call: Callable[..., torch.Tensor]
     compiles: bool = False
@@ -125,12 +129,20 @@ def _aten_call(x, w_nk, bias, n, k):
     return torch.mm(x, w_nk.t()) if bias is None else torch.addmm(bias, x, w_nk.t())
 
 
+IN_PLACE = ("aten", "mkl_packed")
+"""The providers whose kernel writes a gathered matmul's columns of the full tensor itself (ATen's
+``mm(..., out=)``, MKL's packed GEMM through ``numatp::linear_into``); the others' outputs are copied."""
+
+
 def _call_into(provider: Provider, x, op, bias, n, k, full: torch.Tensor) -> None:
-    """One call of a gathered matmul (``GemmShape.into``): its columns of ``full`` written in place by ATen,
-    by a copy of the output otherwise (as ``numatp.runtime.segments.GatheredMatmul`` and the gather run)."""
+    """One call of a gathered matmul (``GemmShape.into``): its columns of ``full`` written in place by the
+    :data:`IN_PLACE` providers, by a copy of the output otherwise (as
+    ``numatp.runtime.segments.GatheredMatmul`` and the gather run)."""
     cols = full[:, :n]
     if provider.name == "aten":
         torch.mm(x, op.t(), out=cols) if bias is None else torch.addmm(bias, x, op.t(), out=cols)
+    elif provider.name == "mkl_packed":
+        torch.ops.numatp.linear_into(x, op, bias, NATIVE["mkl_packed"], n, k, cols)
     else:
         cols.copy_(provider.call(x, op, bias, n, k))
 
@@ -140,14 +152,13 @@ def _onednn_call(x, w, bias, n, k):
 
 
 def _mkl_pack(w_nk, m):
-    return torch.ops.mkl._mkl_reorder_linear_weight(w_nk.contiguous(), m)
+    from numatp.runtime.native import load_ops
+    load_ops()
+    return torch.ops.numatp.mkl_pack(w_nk.contiguous(), m)
 
 
 def _mkl_call(x, packed, bias, n, k):
-    # _mkl_linear reads the original weight only for its shape (and as a fallback when M differs from
-    # the packing's M): a stride-0 stand-in keeps no second copy; gemm_pass checks that M matches
-    stand_in = x.new_empty(1).expand(n, k)
-    return torch.ops.mkl._mkl_linear(x, packed, stand_in, bias, x.shape[0])
+    return torch.ops.numatp.linear(x, packed, bias, NATIVE["mkl_packed"], n, k)
 
 
 GEMV_MAX_ROWS = 16
@@ -381,10 +392,11 @@ def cpu_signature() -> str:
 default_cache_dir = cache_dir  # ``~/.cache/numatp``, or as numatp._cache.cache_dir says
 
 
-TABLE_FORMAT = 3
+TABLE_FORMAT = 4
 """Part of the table's file name: a change of how rates are measured starts a new table (2: shapes of
 few rows are timed streaming their weight; 3: a streamed rate is the mean over the ring's copies, see
-:func:`measure_all`), so no choice compares rates taken one way against rates taken the other."""
+:func:`measure_all`; 4: ``mkl_packed`` writes a gathered matmul's columns in place), so no choice
+compares rates taken one way against rates taken the other."""
 
 
 class GemmTable:

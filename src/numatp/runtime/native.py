@@ -3,7 +3,8 @@
 Three sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
 all-reduce, plain C functions that :mod:`numatp.runtime.collective` calls through ``ctypes``),
 ``ops.cpp`` (dispatcher ops that compiled segments call from their C++ wrapper without the GIL:
-``numatp::linear``, the GEMM providers, and ``numatp::socket_all_reduce``, the collective itself) and
+``numatp::linear``, the GEMM providers, and ``numatp::socket_all_reduce``, the collective itself; and
+``numatp::linear_into`` and ``numatp::mkl_pack``, which the executor and the GEMM providers call) and
 ``gemv.cpp`` (numatp's own kernel for a decode step's few rows, one of those providers). It is built
 with torch's headers, ABI and libraries (as torch's own C++ extensions are) into
 ``~/.cache/numatp/ext/``, keyed by the sources, the compiler, the flags, this CPU and the torch build, so
@@ -109,7 +110,8 @@ def library_path() -> Path:
 
 
 def load_ops() -> None:
-    """Register ``numatp::linear`` and ``numatp::socket_all_reduce`` with torch, and their shape functions."""
+    """Register ``numatp::linear``, ``numatp::linear_into``, ``numatp::mkl_pack`` and
+    ``numatp::socket_all_reduce`` with torch, and their shape functions."""
     global _ops_loaded
     path = library_path()
     with _lock:
@@ -120,6 +122,14 @@ def load_ops() -> None:
         @torch.library.register_fake("numatp::linear")
         def _(x, w, bias, provider, n, k):
             return x.new_empty((x.shape[0], n))
+
+        @torch.library.register_fake("numatp::linear_into")
+        def _(x, w, bias, provider, n, k, out):
+            return None
+
+        @torch.library.register_fake("numatp::mkl_pack")
+        def _(w, m):
+            raise RuntimeError("numatp::mkl_pack packs a real weight; it has no shape function")
 
         @torch.library.register_fake("numatp::socket_all_reduce")
         def _(x, after):

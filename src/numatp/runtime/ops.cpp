@@ -4,6 +4,8 @@
 // through the dispatcher from the generated C++ (aoti_torch_call_dispatcher): these run in the segment
 // without the GIL and without a cut in the socket's program.
 //   numatp::linear      a weight matmul by a measured GEMM provider (numatp's own GEMV in gemv.cpp);
+//   numatp::linear_into the same, written into given columns of a wider tensor (a gathered LM head);
+//   numatp::mkl_pack    MKL's packed copy of a weight, for the mkl_packed providers;
 //   numatp::socket_all_reduce  the sockets' reduction (collective.cpp, built into the same library).
 
 // Only the headers used (Tensor's methods, the few functions called, the dispatcher), not ATen/ATen.h's
@@ -40,7 +42,7 @@ void numatp_gemv_rows_bf16(const std::uint16_t* x, const std::uint16_t* w, const
 namespace {
 
 constexpr int64_t kOneDnn = 0;      // mkldnn::_linear_pointwise on a plain or packed (N, K) weight
-constexpr int64_t kMklPacked = 1;   // mkl::_mkl_linear on MKL's packed fp32 weight
+constexpr int64_t kMklPacked = 1;   // MKL's packed-B GEMM on a weight packed by numatp::mkl_pack (fp32)
 constexpr int64_t kMklPackedF32 = 2;  // the same for bf16 activations, computed in fp32
 constexpr int64_t kGemvNK = 3;      // numatp's GEMV on the plain (N, K) weight
 constexpr int64_t kGemvKN = 4;      // the same on a plain (K, N) weight (GPT-2's Conv1D)
@@ -54,16 +56,88 @@ at::Tensor onednn(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return op.call(x, w, bias, "none", c10::List<std::optional<at::Scalar>>(), "");
 }
 
+// MKL's packed-B GEMM, from the MKL that torch's libtorch_cpu carries and exports where torch is built
+// with MKL (LP64: 32-bit ints). Weak: on a torch without MKL the library still loads, the pointers are
+// null, and the mkl_packed providers fail to prepare (so they measure 0 and are never chosen).
+extern "C" {
+std::size_t cblas_sgemm_pack_get_size(int identifier, int m, int n, int k) __attribute__((weak));
+void cblas_sgemm_pack(int layout, int identifier, int trans, int m, int n, int k, float alpha, const float* src,
+                      int ld, float* dest) __attribute__((weak));
+void cblas_sgemm_compute(int layout, int transa, int transb, int m, int n, int k, const float* a, int lda,
+                         const float* b, int ldb, float beta, float* c, int ldc) __attribute__((weak));
+}
+constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112, kCblasPacked = 151,
+              kCblasBMatrix = 162;
+
+// A packed weight is a 1-D float32 tensor: a 64-byte header (the rows M it was packed for, N, K, as
+// int64) then MKL's buffer, so the buffer keeps the tensor's 64-byte alignment. M is MKL's hint for
+// the packing; the packed weight serves any number of rows (a later variant's other sequence length). It is a plain strided
+// tensor: numatp places it on its socket's node and reads its pages like any weight's.
+constexpr int64_t kPackHeader = 16;   // floats
+
+void require_mkl() {
+  TORCH_CHECK(cblas_sgemm_compute != nullptr && cblas_sgemm_pack != nullptr && cblas_sgemm_pack_get_size != nullptr,
+              "numatp: this torch build does not export MKL's packed GEMM (cblas_sgemm_pack/compute in "
+              "libtorch_cpu), so the mkl_packed providers cannot run; leave them out of GemmOptions.providers");
+}
+
+at::Tensor mkl_pack(const at::Tensor& w, int64_t m) {
+  require_mkl();
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat,
+              "numatp::mkl_pack: the weight must be a 2-D (N, K) float32 tensor, got ", w.scalar_type(), " ",
+              w.sizes());
+  TORCH_CHECK(m > 0 && m <= INT32_MAX, "numatp::mkl_pack: rows must be in 1..2^31-1, got ", m);
+  const at::Tensor wc = w.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const std::size_t bytes = cblas_sgemm_pack_get_size(kCblasBMatrix, m, n, k);
+  at::Tensor out = at::empty({kPackHeader + static_cast<int64_t>((bytes + 3) / 4)}, w.options());
+  auto* head = reinterpret_cast<int64_t*>(out.mutable_data_ptr<float>());
+  head[0] = m;
+  head[1] = n;
+  head[2] = k;
+  // B = W^T: the (N, K) row-major weight read transposed, leading dimension K
+  cblas_sgemm_pack(kCblasRowMajor, kCblasBMatrix, kCblasTrans, m, n, k, 1.0f, wc.const_data_ptr<float>(), k,
+                   out.mutable_data_ptr<float>() + kPackHeader);
+  return out;
+}
+
+// y = x @ W^T (+ bias) into y, an (M, N) float32 matrix whose rows may be further apart than N (the
+// columns of a wider tensor): MKL writes there itself, no copy
+void mkl_into(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
+              int64_t k, at::Tensor& y) {
+  require_mkl();
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.numel() > kPackHeader,
+              "numatp mkl_packed: the weight must be numatp::mkl_pack's buffer, got ", packed.scalar_type(), " ",
+              packed.sizes());
+  const auto* head = reinterpret_cast<const int64_t*>(packed.const_data_ptr<float>());
+  const int64_t m = x.size(0);
+  TORCH_CHECK(head[1] == n && head[2] == k, "numatp mkl_packed: the weight was packed as (N, K) = (", head[1],
+              ", ", head[2], "), the call asks for (", n, ", ", k, ")");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "numatp mkl_packed: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
+                  y.stride(1) == 1 && y.stride(0) >= n,
+              "numatp mkl_packed: the output must be an (", m, ", ", n, ") float32 matrix of unit column stride, "
+              "got ", y.scalar_type(), " ", y.sizes(), " strides ", y.strides());
+  if (m == 0 || n == 0) return;
+  const at::Tensor xc = x.contiguous();
+  float beta = 0.0f;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "numatp mkl_packed: the bias has ", bias->numel(), " elements, the output ",
+                n, " columns");
+    y.copy_(bias->to(at::kFloat).reshape({1, n}).expand({m, n}));
+    beta = 1.0f;
+  }
+  cblas_sgemm_compute(kCblasRowMajor, kCblasNoTrans, kCblasPacked, m, n, k, xc.const_data_ptr<float>(), k,
+                      packed.const_data_ptr<float>() + kPackHeader, k, beta, y.mutable_data_ptr<float>(),
+                      y.stride(0));
+}
+
 at::Tensor mkl(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
                int64_t k) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkl::_mkl_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const std::optional<at::Tensor>&, int64_t)>();
-  // _mkl_linear reads the plain weight only for its shape (the rows were fixed when packing, and the
-  // GEMM pass packs for the rows it is called with): a stride-0 stand-in keeps no second copy
-  at::Tensor stand_in = at::empty({1}, x.options()).expand({n, k});
-  return op.call(x, packed, stand_in, bias, x.size(0));
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  mkl_into(x, packed, bias, n, k, y);
+  return y;
 }
 
 constexpr int64_t kGemvMaxRows = 16;   // numatp.runtime.gemm.GEMV_MAX_ROWS: a decode step's rows
@@ -121,6 +195,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
       return gemv(x, w, bias, provider == kGemvKN);
     default:
       TORCH_CHECK(false, "numatp::linear: unknown provider code ", provider);
+  }
+}
+
+// The provider's product written into out, the (M, N) columns of a wider tensor: in place where the
+// provider's kernel takes the output's row stride (MKL's packed GEMM), else by a copy of its output.
+void linear_into(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t provider,
+                 int64_t n, int64_t k, at::Tensor out) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "numatp::linear_into: x must be (M, ", k, "), got ", x.sizes());
+  if (provider == kMklPacked) {
+    mkl_into(x, w, bias, n, k, out);
+  } else {
+    out.copy_(linear(x, w, bias, provider, n, k));
   }
 }
 
@@ -248,11 +334,15 @@ int numatp_socket_leave(double* seconds, double* waited, std::int64_t* count, st
 
 TORCH_LIBRARY_FRAGMENT(numatp, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int provider, int n, int k) -> Tensor");
+  m.def("linear_into(Tensor x, Tensor w, Tensor? bias, int provider, int n, int k, Tensor(a!) out) -> ()");
+  m.def("mkl_pack(Tensor w, int m) -> Tensor");
   m.def("socket_all_reduce(Tensor x, Tensor? after) -> (Tensor, Tensor)");
 }
 
 // every backend: a packed oneDNN weight is an MkldnnCPU tensor beside a CPU activation
 TORCH_LIBRARY_IMPL(numatp, CompositeExplicitAutograd, m) {
   m.impl("linear", &linear);
+  m.impl("linear_into", &linear_into);
+  m.impl("mkl_pack", &mkl_pack);
   m.impl("socket_all_reduce", &all_reduce);
 }

@@ -33,7 +33,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.plan.ops import COLLECTIVES
 from numatp.runtime.collective import SocketComm
-from numatp.runtime.gemm import GEMM_OP, NATIVE, GemmStep, native_code
+from numatp.runtime.gemm import GEMM_OP, IN_PLACE, NATIVE, GemmStep, native_code
 from numatp.runtime.native import load_ops
 
 __all__ = ["Segment", "Collective", "GatheredMatmul", "gather_in_place", "split_program", "SegmentCompiler"]
@@ -70,15 +70,21 @@ class GatheredMatmul:
     """The weight matmul whose column-sharded output an all-gather collects, run by the gather itself:
     each socket's ``x @ W`` (``+ b``) writes straight into its columns of the full tensor, so neither a
     shard tensor nor its copy into the full one is made. ``torch.mm(..., out=)`` takes the columns as a
-    strided view (the BLAS' leading dimension). Whether this beats a provider's kernel plus the copy
-    depends on the CPU and dtype, so the GEMM pass measures both ways (``GemmShape.into``). On a 2-core
-    AMX Xeon, gpt2 at 512 tokens on 2 sockets: in fp32 ATen in place won (69-76 against 59-67 GFLOP/s)
-    and the gather's 44 ms a call went; in bf16 oneDNN plus the copy won (229-293 against 173-201)."""
+    strided view (the BLAS' leading dimension), and so does MKL's packed GEMM (``numatp::linear_into``,
+    where the GEMM pass chose ``mkl_packed``: ``provider`` is its code). Whether this beats another
+    provider's kernel plus the copy depends on the CPU and dtype, so the GEMM pass measures both ways
+    (``GemmShape.into``). On a 2-core AMX Xeon, gpt2 at 512 tokens on 2 sockets: in fp32 ATen in place
+    won (69-76 against 59-67 GFLOP/s) and the gather's 44 ms a call went; in bf16 oneDNN plus the copy
+    won (229-293 against 173-201)."""
 
     x: str                     # (M, K) activations, M the product of the full shape's leading dims
-    w: str                     # the weight shard: (N, K) when ``transposed`` (nn.Linear), else (K, N)
+    w: str                     # the weight shard: (N, K) when ``transposed`` (nn.Linear), else (K, N);
+                               # with a provider, its prepared operand
     bias: str | None
     transposed: bool
+    provider: int | None = None   # numatp::linear's provider code (numatp.runtime.gemm.NATIVE); None: ATen
+    n: int = 0                 # with a provider: the shard's columns and the inner dimension
+    k: int = 0
 
     @property
     def inputs(self) -> list[str]:
@@ -87,11 +93,15 @@ class GatheredMatmul:
     def __call__(self, env: dict[str, Any], full: torch.Tensor, columns: tuple[int, int]) -> None:
         lo, hi = columns
         out = full.view(-1, full.shape[-1])[:, lo:hi]
+        bias = env[self.bias] if self.bias is not None else None
+        if self.provider is not None:
+            torch.ops.numatp.linear_into(env[self.x], env[self.w], bias, self.provider, self.n, self.k, out)
+            return
         w = env[self.w].t() if self.transposed else env[self.w]
-        if self.bias is None:
+        if bias is None:
             torch.mm(env[self.x], w, out=out)
         else:
-            torch.addmm(env[self.bias], env[self.x], w, out=out)
+            torch.addmm(bias, env[self.x], w, out=out)
 
 
 def split_program(gm: torch.fx.GraphModule, example_inputs: list[Any], *,
@@ -171,13 +181,26 @@ def gather_in_place(mm: torch.fx.Node) -> torch.fx.Node | None:
 def _gathered_matmuls(gm: torch.fx.GraphModule) -> tuple[dict[torch.fx.Node, GatheredMatmul], set[torch.fx.Node]]:
     """The all-gathers that can compute their input in place (:func:`gather_in_place`) of an ATen
     ``mm(x, W)`` or ``addmm(b, x, W)``, with ``W`` a weight (a placeholder, or ``permute(W, [1, 0])`` /
-    ``t(W)`` of one). Returns them with their :class:`GatheredMatmul`, and the nodes the gathers take over
-    (left out of the segments). Others (a provider's ``numatp::linear``, an elementwise op after the
-    matmul) keep the copy."""
+    ``t(W)`` of one), or of a ``numatp::linear`` whose provider writes in place (``mkl_packed``). Returns
+    them with their :class:`GatheredMatmul`, and the nodes the gathers take over (left out of the
+    segments). Others (another provider's ``numatp::linear``, an elementwise op after the matmul) keep
+    the copy."""
     aten = torch.ops.aten
     found: dict[torch.fx.Node, GatheredMatmul] = {}
     absorbed: set[torch.fx.Node] = set()
-    for mm in [n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.addmm.default) and not n.kwargs]:
+    linear = getattr(getattr(torch.ops, "numatp", None), "linear", None)
+    in_place_codes = {NATIVE[p] for p in IN_PLACE if p in NATIVE}
+    for mm in list(gm.graph.nodes):
+        if linear is not None and mm.target is linear.default and mm.args[3] in in_place_codes:
+            g = gather_in_place(mm)
+            if g is None:
+                continue
+            x, w, bias, code, n, k = mm.args
+            found[g] = GatheredMatmul(x.name, w.name, bias.name if bias is not None else None, False, code, n, k)
+            absorbed |= {mm, g.args[0]}
+            continue
+        if mm.target not in (aten.mm.default, aten.addmm.default) or mm.kwargs:
+            continue
         g = gather_in_place(mm)
         if g is None:
             continue
