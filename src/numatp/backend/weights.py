@@ -9,6 +9,7 @@ its weights stay where the model put them, as under plain ``torch.compile``.
 
 from __future__ import annotations
 
+import errno
 import warnings
 from typing import Any
 
@@ -81,13 +82,16 @@ class WeightStore:
         included), and the share of pages on the socket's own node; ``packed_tensors`` counts the packed
         GEMM operands held in place of plain weights, ``opaque_tensors`` those of them whose pages cannot
         be read (oneDNN's, or the constant inside an Inductor GEMM kernel: MKL's packed weights are
-        plain tensors, counted in the pages)."""
+        plain tensors, counted in the pages). MKL's packing reserves more than it writes; per rank,
+        ``unwritten_pages`` counts the pages of its buffers never touched, so resident nowhere (left out
+        of ``pages``)."""
         from numatp.runtime.gemm import PROVIDERS
 
         ranks = []
         local = total = opaque = packed = 0
         for r, sock in enumerate(self.topology.sockets):
             pages: dict[int, int] = {}
+            unwritten = 0
             for key, t in self._made.items():
                 if key[-1] != r:
                     continue
@@ -103,10 +107,14 @@ class WeightStore:
                     # socket's worker, under its memory binding
                     opaque += 1
                     continue
-                for node, n in pages_by_node(t).items():
+                counts = pages_by_node(t)
+                if info is not None and PROVIDERS[info.provider].places:
+                    unwritten += counts.pop(-errno.ENOENT, 0)
+                for node, n in counts.items():
                     pages[node] = pages.get(node, 0) + n
-            ranks.append({"socket": r, "node": sock.node, "pages": pages})
+            ranks.append({"socket": r, "node": sock.node, "pages": pages, "unwritten_pages": unwritten})
             local += pages.get(sock.node, 0)
             total += sum(n for node, n in pages.items() if node >= 0)
         return {"ranks": ranks, "local_fraction": (local / total) if total else 0.0,
-                "virtual": self.topology.is_virtual, "tensors": len(self._made), "packed_tensors": packed, "opaque_tensors": opaque}
+                "virtual": self.topology.is_virtual, "tensors": len(self._made),
+                "packed_tensors": packed, "opaque_tensors": opaque}

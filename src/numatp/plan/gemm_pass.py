@@ -375,16 +375,18 @@ def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int
              keep: str | None = None) -> torch.Tensor:
     """The provider's operand for ``w``, made by the calling (socket) thread. A new dense operand (the
     (N, K) copy of a Conv1D weight) is copied onto ``node`` when one is given: the worker's allocator
-    may hand it pages recycled from another node, where its memory binding does not apply. With ``keep``
+    may hand it pages recycled from another node, where its memory binding does not apply. A provider
+    that ``places`` its operand (MKL's packing) allocates it on ``node`` itself: a copy would make
+    resident the part of the buffer its packing never writes. With ``keep``
     (a decode provider), a new operand is a second copy: its :class:`PackInfo` holds ``w`` for the decode
     steps, which ``keep`` runs on."""
     w_nk = w if layout == "nk" else w.t()
     with torch.no_grad():
-        op = provider.prepare(w_nk, m)
+        op = provider.prepare(w_nk, m, node) if provider.places else provider.prepare(w_nk, m)
     if op is w_nk:  # dense providers keep the plain weight; nothing to swap
         op = w
     else:
-        if node is not None and op.layout == torch.strided:
+        if node is not None and op.layout == torch.strided and not provider.places:
             from numatp.placement import numa_clone
             op = numa_clone(op, node)
         op._numatp_gemm = PackInfo(provider.name, tuple(w.shape), w.dtype, layout, m,

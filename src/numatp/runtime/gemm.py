@@ -116,6 +116,9 @@ class Provider:
     """``prepare`` compiles a kernel (seconds per weight): measured only when asked for, without a probe."""
     max_rows: int | None = None
     """The most rows of ``x`` it takes (``None``: any); a shape with more measures 0."""
+    places: bool = False
+    """``prepare(w_nk, m, node)`` allocates the operand on memory node ``node`` itself (None: anywhere),
+    instead of leaving that to a copy (MKL's packed buffer, part of which its packing never writes)."""
     keeps_plain: tuple[str, ...] = ()
     """Layouts whose plain weight is the operand as it is (no copy, no packing), so that this provider
     and another such one can share the weight: one for a prompt's many rows, one for a decode step's few."""
@@ -151,10 +154,10 @@ def _onednn_call(x, w, bias, n, k):
     return mkldnn._linear_pointwise(x, w, bias, "none", [], "")
 
 
-def _mkl_pack(w_nk, m):
+def _mkl_pack(w_nk, m, node=None):
     from numatp.runtime.native import load_ops
     load_ops()
-    return torch.ops.numatp.mkl_pack(w_nk.contiguous(), m)
+    return torch.ops.numatp.mkl_pack(w_nk.contiguous(), m, -1 if node is None else node)
 
 
 def _mkl_call(x, packed, bias, n, k):
@@ -180,8 +183,8 @@ def _gemv_call(x, w_nk, bias, n, k):
     return torch.ops.numatp.linear(x, w_nk.t(), bias, native_code("gemv", "kn"), n, k)
 
 
-def _upcast_pack(w_nk, m):
-    return _mkl_pack(w_nk.float(), m)
+def _upcast_pack(w_nk, m, node=None):
+    return _mkl_pack(w_nk.float(), m, node)
 
 
 def _upcast_call(x, packed, bias, n, k):
@@ -247,10 +250,11 @@ PROVIDERS: dict[str, Provider] = {
                        _onednn_call, keeps_plain=("nk",)),
     "onednn_packed": Provider("onednn_packed", (torch.float32, torch.bfloat16), True,
                               lambda w, m: mkldnn._reorder_linear_weight(w.contiguous(), m), _onednn_call),
-    "mkl_packed": Provider("mkl_packed", (torch.float32,), True, _mkl_pack, _mkl_call),
+    "mkl_packed": Provider("mkl_packed", (torch.float32,), True, _mkl_pack, _mkl_call, places=True),
     # bf16 in and out, fp32 MKL on an fp32 packed weight: for CPUs without bf16 GEMM instructions
     # (AVX2), where torch's bf16 matmul falls back to slow loops. Its operand has twice the bf16 bytes.
-    "mkl_packed_f32": Provider("mkl_packed_f32", (torch.bfloat16,), True, _upcast_pack, _upcast_call),
+    "mkl_packed_f32": Provider("mkl_packed_f32", (torch.bfloat16,), True, _upcast_pack, _upcast_call,
+                               places=True),
     # numatp's kernel for decode steps: the plain weight, either layout, no copy
     "gemv": Provider("gemv", (torch.float32, torch.bfloat16), False, _gemv_prepare, _gemv_call,
                      max_rows=GEMV_MAX_ROWS, keeps_plain=("nk", "kn")),

@@ -128,7 +128,7 @@ def load_ops() -> None:
             return None
 
         @torch.library.register_fake("numatp::mkl_pack")
-        def _(w, m):
+        def _(w, m, node=-1):
             raise RuntimeError("numatp::mkl_pack packs a real weight; it has no shape function")
 
         @torch.library.register_fake("numatp::socket_all_reduce")

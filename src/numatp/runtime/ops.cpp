@@ -47,6 +47,33 @@ constexpr int64_t kMklPackedF32 = 2;  // the same for bf16 activations, computed
 constexpr int64_t kGemvNK = 3;      // numatp's GEMV on the plain (N, K) weight
 constexpr int64_t kGemvKN = 4;      // the same on a plain (K, N) weight (GPT-2's Conv1D)
 
+// A new tensor of its own pages, bound to `node` before the first touch (mmap + mbind): a worker's
+// allocator may recycle pages of another node, and a page never written (as MKL's packing leaves part of
+// its buffer) never becomes resident anywhere.
+at::Tensor mapped_on_node(at::IntArrayRef sizes, const at::TensorOptions& options, int node, const char* who) {
+  std::int64_t numel = 1;
+  for (const auto d : sizes) numel *= d;
+  const std::int64_t bytes = numel * static_cast<std::int64_t>(options.dtype().itemsize());
+  const long page = sysconf(_SC_PAGESIZE);
+  const std::int64_t length = std::max<std::int64_t>(1, (bytes + page - 1) / page) * page;
+  void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(p != MAP_FAILED, who, ": mmap of ", length, " bytes failed");
+  unsigned long mask[16] = {0};
+  TORCH_CHECK(node >= 0 && node < 16 * 64, who, ": node ", node, " out of range");
+  mask[node / 64] = 1UL << (node % 64);
+  constexpr int kMpolBind = 2;
+  // As numatp.placement.numa_empty: where the environment refuses memory policy (a seccomp filter, a
+  // kernel without NUMA) the buffer stays unbound; the process has warned already, when its workers and
+  // weights were placed (and refused to run at all under strict placement). Any other error is a bug.
+  if (syscall(SYS_mbind, p, length, kMpolBind, mask, 16 * 64 + 1, 0) != 0 && errno != EPERM &&
+      errno != ENOSYS && errno != EACCES) {
+    const int err = errno;
+    munmap(p, length);
+    TORCH_CHECK(false, who, ": mbind to node ", node, " failed (errno ", err, ")");
+  }
+  return at::from_blob(p, sizes, [length](void* q) { munmap(q, length); }, options);
+}
+
 at::Tensor onednn(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -81,7 +108,8 @@ void require_mkl() {
               "libtorch_cpu), so the mkl_packed providers cannot run; leave them out of GemmOptions.providers");
 }
 
-at::Tensor mkl_pack(const at::Tensor& w, int64_t m) {
+// node >= 0: the buffer's pages are bound to that node (a real topology's socket), else torch's allocator
+at::Tensor mkl_pack(const at::Tensor& w, int64_t m, int64_t node) {
   require_mkl();
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat,
               "numatp::mkl_pack: the weight must be a 2-D (N, K) float32 tensor, got ", w.scalar_type(), " ",
@@ -90,7 +118,9 @@ at::Tensor mkl_pack(const at::Tensor& w, int64_t m) {
   const at::Tensor wc = w.contiguous();
   const int64_t n = w.size(0), k = w.size(1);
   const std::size_t bytes = cblas_sgemm_pack_get_size(kCblasBMatrix, m, n, k);
-  at::Tensor out = at::empty({kPackHeader + static_cast<int64_t>((bytes + 3) / 4)}, w.options());
+  const int64_t numel = kPackHeader + static_cast<int64_t>((bytes + 3) / 4);
+  at::Tensor out = node >= 0 ? mapped_on_node({numel}, w.options(), static_cast<int>(node), "numatp::mkl_pack")
+                             : at::empty({numel}, w.options());
   auto* head = reinterpret_cast<int64_t*>(out.mutable_data_ptr<float>());
   head[0] = m;
   head[1] = n;
@@ -257,25 +287,7 @@ double now() {
 }
 
 at::Tensor on_node(const at::Tensor& like, int node) {
-  const std::int64_t bytes = like.numel() * like.element_size();
-  const long page = sysconf(_SC_PAGESIZE);
-  const std::int64_t length = std::max<std::int64_t>(1, (bytes + page - 1) / page) * page;
-  void* p = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  TORCH_CHECK(p != MAP_FAILED, "numatp::socket_all_reduce: mmap of ", length, " bytes failed");
-  unsigned long mask[16] = {0};
-  TORCH_CHECK(node < 16 * 64, "numatp::socket_all_reduce: node ", node, " out of range");
-  mask[node / 64] = 1UL << (node % 64);
-  constexpr int kMpolBind = 2;
-  // As numatp.placement.numa_empty: where the environment refuses memory policy (a seccomp filter, a
-  // kernel without NUMA) the buffer stays unbound; the process has warned already, when its workers and
-  // weights were placed (and refused to run at all under strict placement). Any other error is a bug.
-  if (syscall(SYS_mbind, p, length, kMpolBind, mask, 16 * 64 + 1, 0) != 0 && errno != EPERM &&
-      errno != ENOSYS && errno != EACCES) {
-    const int err = errno;
-    munmap(p, length);
-    TORCH_CHECK(false, "numatp::socket_all_reduce: mbind to node ", node, " failed (errno ", err, ")");
-  }
-  return at::from_blob(p, like.sizes(), [length](void* q) { munmap(q, length); }, like.options());
+  return mapped_on_node(like.sizes(), like.options(), node, "numatp::socket_all_reduce");
 }
 
 std::tuple<at::Tensor, at::Tensor> all_reduce(const at::Tensor& x, const std::optional<at::Tensor>& after) {
@@ -335,7 +347,7 @@ int numatp_socket_leave(double* seconds, double* waited, std::int64_t* count, st
 TORCH_LIBRARY_FRAGMENT(numatp, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int provider, int n, int k) -> Tensor");
   m.def("linear_into(Tensor x, Tensor w, Tensor? bias, int provider, int n, int k, Tensor(a!) out) -> ()");
-  m.def("mkl_pack(Tensor w, int m) -> Tensor");
+  m.def("mkl_pack(Tensor w, int m, int node=-1) -> Tensor");
   m.def("socket_all_reduce(Tensor x, Tensor? after) -> (Tensor, Tensor)");
 }
 
