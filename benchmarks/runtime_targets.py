@@ -2,12 +2,13 @@
 
 One child process per (model, sequence, dtype); inside it the modes are compiled, checked against eager,
 warmed up, then timed interleaved (call i of every mode before call i+1 of any), so drift hits all modes
-alike, each round starting one mode later than the last, so no mode always runs after the same one. The 4-socket mode runs where the process may use at least 4 CPUs. Prints one JSON line per
-configuration and a table at the end: each mode against numatp on 1 socket, and for each sharded mode
-the share of its prefill spent in all-reduces (waiting for the slowest socket included), the part of
-it that is the reductions' own work (their time less the waiting for the last socket to arrive: on a
-machine shared with other work, or with sockets of unequal speed, the waiting grows where the work does
-not) and the share spent in the gather of the column-sharded logits.
+alike, each round starting one mode later than the last, so no mode always runs after the same one. The
+4-socket mode runs where the process may use at least 4 CPUs. Prints one JSON line per configuration and
+a table at the end: each mode against numatp on 1 socket, and for each sharded mode the share of its
+prefill spent in all-reduces (waiting for the slowest socket included), the part of it that is the
+reductions' own work (their time less the waiting for the last socket to arrive: on a machine shared
+with other work, or with sockets of unequal speed, the waiting grows where the work does not) and the
+share spent in the gather of the column-sharded logits.
 
 The ratios against numatp on 1 socket are paired: round i's call of numatp on 1 socket over round i's
 call of the other mode, so that a change in the machine's speed between rounds (seen at 2x within a

@@ -483,6 +483,10 @@ def test_mkl_packed_serves_other_rows_and_refuses_another_shape_or_a_bad_output(
         torch.testing.assert_close(PROVIDERS["mkl_packed"].call(x, op, None, 40, 16), x @ w.t(), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match=r"packed as \(N, K\) = \(40, 16\)"):
         PROVIDERS["mkl_packed"].call(torch.randn(8, 16), op, None, 41, 16)
+    # one row: its row stride is any number (a size-1 dimension's), MKL is given at least N
+    x1, y1 = torch.randn(1, 16), torch.empty(40, 1).t()   # (1, 40), row stride 1
+    torch.ops.numatp.linear_into(x1, op, None, NATIVE["mkl_packed"], 40, 16, y1)
+    torch.testing.assert_close(y1, x1 @ w.t(), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match="unit column stride"):
         torch.ops.numatp.linear_into(torch.randn(8, 16), op, None, NATIVE["mkl_packed"], 40, 16,
                                      torch.empty(40, 8).t())

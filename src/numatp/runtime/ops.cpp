@@ -97,9 +97,9 @@ constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111, kCblasTrans = 112, kCbl
               kCblasBMatrix = 162;
 
 // A packed weight is a 1-D float32 tensor: a 64-byte header (the rows M it was packed for, N, K, as
-// int64) then MKL's buffer, so the buffer keeps the tensor's 64-byte alignment. M is MKL's hint for
-// the packing; the packed weight serves any number of rows (a later variant's other sequence length). It is a plain strided
-// tensor: numatp places it on its socket's node and reads its pages like any weight's.
+// int64) then MKL's buffer, so the buffer keeps the tensor's 64-byte alignment. M is MKL's hint for the
+// packing; the packed weight serves any number of rows (a later variant's other sequence length). It is
+// a plain strided tensor: numatp places it on its socket's node and reads its pages like any weight's.
 constexpr int64_t kPackHeader = 16;   // floats
 
 void require_mkl() {
@@ -146,7 +146,7 @@ void mkl_into(const at::Tensor& x, const at::Tensor& packed, const std::optional
               ", ", head[2], "), the call asks for (", n, ", ", k, ")");
   TORCH_CHECK(x.scalar_type() == at::kFloat, "numatp mkl_packed: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == m && y.size(1) == n &&
-                  y.stride(1) == 1 && y.stride(0) >= n,
+                  (y.stride(1) == 1 || n == 1) && (y.stride(0) >= n || m == 1),
               "numatp mkl_packed: the output must be an (", m, ", ", n, ") float32 matrix of unit column stride, "
               "got ", y.scalar_type(), " ", y.sizes(), " strides ", y.strides());
   if (m == 0 || n == 0) return;
@@ -158,9 +158,10 @@ void mkl_into(const at::Tensor& x, const at::Tensor& packed, const std::optional
     y.copy_(bias->to(at::kFloat).reshape({1, n}).expand({m, n}));
     beta = 1.0f;
   }
+  // the row stride of a single row is any number: MKL only needs it to be at least N
+  const int64_t ldc = m == 1 ? std::max<int64_t>(n, y.stride(0)) : y.stride(0);
   cblas_sgemm_compute(kCblasRowMajor, kCblasNoTrans, kCblasPacked, m, n, k, xc.const_data_ptr<float>(), k,
-                      packed.const_data_ptr<float>() + kPackHeader, k, beta, y.mutable_data_ptr<float>(),
-                      y.stride(0));
+                      packed.const_data_ptr<float>() + kPackHeader, k, beta, y.mutable_data_ptr<float>(), ldc);
 }
 
 at::Tensor mkl(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
