@@ -144,8 +144,8 @@ def _call_into(provider: Provider, x, op, bias, n, k, full: torch.Tensor) -> Non
     cols = full[:, :n]
     if provider.name == "aten":
         torch.mm(x, op.t(), out=cols) if bias is None else torch.addmm(bias, x, op.t(), out=cols)
-    elif provider.name == "mkl_packed":
-        torch.ops.numatp.linear_into(x, op, bias, NATIVE["mkl_packed"], n, k, cols)
+    elif provider.name in IN_PLACE:   # a native kernel that takes the output's row stride
+        torch.ops.numatp.linear_into(x, op, bias, NATIVE[provider.name], n, k, cols)
     else:
         cols.copy_(provider.call(x, op, bias, n, k))
 
