@@ -39,7 +39,7 @@ _ATTR = "_numatp_backend"
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",
             mode: str = "inductor", strict_placement: bool = False,
             gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE,
-            plan: Any = None) -> torch.nn.Module:
+            plan: Any = None, check: bool = False) -> torch.nn.Module:
     """``torch.compile(model)`` with NUMA-aware tensor parallelism over ``sockets``.
 
     ``sockets``: None uses the detected topology; an int N its first N sockets (N virtual sockets on a
@@ -52,7 +52,9 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     keep Inductor's (``False``), or numatp's default (``None``). ``plan``: decisions that override the pass
     per module, in transformers' tp_plan vocabulary (``{"model.layers.*.mlp.down_proj": "rowwise", ...}``,
     values colwise, rowwise, replicate, vocab; see :mod:`numatp.plan.tp_plan`), or ``"hf"`` for the model's
-    own tp_plan; ``numatp.plans(compiled)[i].to_tp_plan()`` gives a plan back in the same form.
+    own tp_plan; ``numatp.plans(compiled)[i].to_tp_plan()`` gives a plan back in the same form. ``check``:
+    check the contracts between the pipeline's steps as each graph is built (debugging; see
+    :mod:`numatp.plan.contracts`).
 
     The same options work as ``torch.compile(model, backend="numatp", options={"sockets": 2, ...})``.
     Input shapes are static here (``dynamic=False``): each new shape compiles its own programs.
@@ -61,7 +63,7 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
         from numatp.plan.tp_plan import hf_tp_plan
         plan = hf_tp_plan(model)
     options = Options(sockets=sockets, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
-                      auto_measure=auto_measure, plan=plan)
+                      auto_measure=auto_measure, plan=plan, check=check)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     backend = NumaTPBackend.from_options(options, names=names)
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an
