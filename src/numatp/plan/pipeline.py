@@ -160,7 +160,7 @@ def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
     sockets = group.size
     local = localize(ag, plan)
     args = bind(local)
-    shapes = contracts.global_shapes(ag)
+    shapes = contracts.global_shapes(ag) if check else []
     done = Programs(plan, local, args)
 
     def checked(step: str) -> None:
