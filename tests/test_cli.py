@@ -65,21 +65,30 @@ def test_explain_gemm_shows_provider_and_rate_per_socket_shape(cli, tmp_path):
     assert all(r["threads"] == len(os.sched_getaffinity(0)) and r["gflops"] > 0 for r in graph["gemm"]["rows"])
 
 
-def test_explain_gemm_preview_is_what_compile_runs(cli):
-    # explain --gemm chooses from the same measured table as compile: the providers it shows are those
-    # the compiled model's programs run (the table was written by the first call, so both read it)
-    code, out, err = cli("explain", "gpt2", "--tiny", "--sockets", "2", "--gemm", "--json")
+def test_explain_runs_the_pipeline_compile_runs(cli):
+    # explain runs numatp.compile's build pipeline (numatp.plan.pipeline) and stops before compiling: its
+    # socket programs have the steps the compiled model's programs run, and its GEMM providers are the
+    # ones they run (the table was written by explain, so both choose from the same rates)
+    code, out, err = cli("explain", "gpt2", "--tiny", "--sockets", "2", "--gemm", "--check", "--json")
     assert code == 0, err
     (g,) = json.loads(out)["graphs"]
+    assert g["checked"]
     shown = sorted((r["rank"], r["m"], r["k"], r["n"], r["provider"]) for r in g["gemm"]["rows"])
     model = zoo.build("gpt2", tiny=True)
     fresh_dynamo()
     with torch.inference_mode():
         compiled = numatp.compile(model, sockets=2, mode="eager")
         compiled(**zoo.example_inputs(model, batch=1, seq=128))
-    ran = sorted((r["rank"], r["m"], r["k"], r["n"], r["provider"])
-                 for r in numatp.backend.backend_of(compiled).gemm_report())
+    backend = numatp.backend.backend_of(compiled)
+    ran = sorted((r["rank"], r["m"], r["k"], r["n"], r["provider"]) for r in backend.gemm_report())
     assert ran == shown
+    from numatp.runtime.segments import Collective
+
+    (variant,) = [v for graph in backend.graphs for v in graph.variants.values()]
+    steps = [[s.kind if isinstance(s, Collective) else type(s).__name__ for s in p.steps]
+             for p in variant.executor.programs]
+    assert [p["steps"] for p in g["programs"]] == steps
+    assert steps[0].count("all_gather") == 1 and "Segment" in steps[0]
 
 
 def test_explain_auto_says_whether_compile_will_measure_and_compile_does(cli):

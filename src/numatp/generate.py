@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from numatp.backend.entry import compiled_by_numatp
+from numatp.backend.registry import backend_of, compiled_by_numatp
 from numatp.runtime.group import callers_threads
 
 __all__ = ["Generation", "generate", "generate_timed", "static_cache"]
@@ -141,7 +141,6 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     # 18 ms a token). Another compiler's model computes on this thread: its thread count stays.
     backend = None
     if compiled_by_numatp(compiled):
-        from numatp.backend import backend_of
         backend = backend_of(compiled)
     with torch.inference_mode(), callers_threads():
         if backend is not None:
@@ -295,8 +294,6 @@ def static_cache(model: torch.nn.Module, batch: int, max_len: int, dtype: torch.
 def _reusable_cache(compiled: Any, model: torch.nn.Module, batch: int, length: int, dtype: torch.dtype) -> Any:
     """The cache of this (batch, length, dtype), made once per compiled model and reset for each generation:
     the decode program is compiled for its tensors, and the sockets' copies of it are reloaded."""
-    from numatp.backend import backend_of
-
     caches = compiled.__dict__.setdefault("_numatp_caches", {})
     key = (batch, length, dtype)
     cache = caches.get(key)

@@ -1,7 +1,7 @@
 """The ``torch.compile`` backend: ``torch.compile(model, backend="numatp")`` and ``numatp.compile(model)``.
 
 ``options`` checks what a compile is asked to do, ``entry`` is the way in from both APIs (one backend per
-compile), ``core`` is the backend one compile shares, ``variants`` turns each Dynamo graph into socket
+compile), ``registry`` the backend ``torch.compile`` calls by name and the way back to it, ``core`` is the backend one compile shares, ``variants`` turns each Dynamo graph into socket
 programs per input signature, ``policy`` says when a graph runs unsharded, ``weights`` holds the shards
 on their sockets, ``states`` each socket's copy of what the programs write in place (a KV cache).
 """

@@ -39,9 +39,10 @@ class NumaTPBackend:
 
     def __init__(self, topology: Topology, *, policy: str = "always", names: dict[int, str] | None = None,
                  decide: Callable | None = None, mode: str = "inductor", strict_placement: bool = False,
-                 gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE, plan: Any = None):
+                 gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE, plan: Any = None,
+                 check: bool = False):
         checked = Options(sockets=topology, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
-                          auto_measure=auto_measure, plan=plan)   # the same checks as numatp.compile's
+                          auto_measure=auto_measure, plan=plan, check=check)   # the same checks as numatp.compile's
         if checked.plan == "hf":
             raise ValueError("plan='hf' needs the model to read its tp_plan: use numatp.compile(model, plan='hf'), "
                              "or pass the dict (numatp.plan.hf_tp_plan(model))")
@@ -49,6 +50,7 @@ class NumaTPBackend:
         self.topology = topology
         self.policy = policy
         self.auto_measure = float(auto_measure)
+        self.check = check   # the pipeline's contracts checked after each step (numatp.plan.contracts)
         self.names = names
         self.decide = decide
         self.compiler = SegmentCompiler(mode=mode)
@@ -67,7 +69,7 @@ class NumaTPBackend:
         """The backend of one compile with ``options`` (the topology is resolved here)."""
         return cls(resolve_topology(options.sockets), policy=options.policy, names=names, mode=options.mode,
                    strict_placement=options.strict_placement, gemm=options.gemm,
-                   auto_measure=options.auto_measure, plan=options.plan)
+                   auto_measure=options.auto_measure, plan=options.plan, check=options.check)
 
     @property
     def group(self) -> SocketGroup:

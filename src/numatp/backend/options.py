@@ -47,6 +47,10 @@ class Options:
     """Decisions that override the pass per module, in the tp_plan vocabulary (:mod:`numatp.plan.tp_plan`):
     a dict of module patterns to "colwise", "rowwise", "replicate" or "vocab", or "hf" for the model's own
     tp_plan (``numatp.compile`` only: it needs the model)."""
+    check: bool = False
+    """Check the contracts between the pipeline's steps after each step (:mod:`numatp.plan.contracts`:
+    the same collectives on every socket, one reduction per sharded block, shard shapes, no foreign
+    reads); slower to build, for debugging (``numatp explain --check`` checks the same)."""
 
     def __post_init__(self) -> None:
         _check_sockets(self.sockets)
@@ -57,6 +61,8 @@ class Options:
                              "(uncompiled, for debugging)")
         if not isinstance(self.strict_placement, bool):
             raise ValueError(f"strict_placement={self.strict_placement!r}: pass True or False")
+        if not isinstance(self.check, bool):
+            raise ValueError(f"check={self.check!r}: pass True or False")
         if not (self.gemm is None or isinstance(self.gemm, (bool, GemmOptions))):
             raise ValueError(f"gemm={self.gemm!r}: pass None (default), True, False or a numatp.GemmOptions")
         if self.plan is not None and self.plan != "hf":

@@ -13,24 +13,49 @@ import operator
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from numatp.backend.policy import AUTO_ROUNDS, close_call, default_decider, runs_unsharded
 from numatp.backend.states import StateStore
 from numatp.backend.weights import WeightStore
-from numatp.plan import localize, plan_graph, trace_aten
+from numatp.plan import pipeline
 from numatp.plan.schema import Plan, Replicate
 from numatp.runtime.executor import ShardedExecutor
+from numatp.plan.gemm_pass import GemmSelector
 from numatp.runtime.group import SocketGroup
+from numatp.runtime.segments import SegmentCompiler
+from numatp.topology import Topology
 
-if TYPE_CHECKING:
-    from numatp.backend.core import NumaTPBackend
-
-__all__ = ["CompiledGraph", "Variant"]
+__all__ = ["Backend", "CompiledGraph", "Variant"]
 
 log = logging.getLogger("numatp")
+
+
+class Backend(Protocol):
+    """What a compiled graph reads and keeps in the backend of its compile
+    (:class:`numatp.backend.core.NumaTPBackend`, which holds the graphs it is handed)."""
+
+    topology: Topology
+    policy: str
+    names: dict[int, str] | None
+    decide: Callable | None
+    tp_plan: Any
+    auto_measure: float
+    check: bool
+    compiler: SegmentCompiler
+    weights: WeightStore
+    states: StateStore
+    gemm: GemmSelector | None
+    calls: int
+    state_policy: str | None
+    """How every graph that writes a cache runs (prefill and decode must agree): fixed by the first."""
+
+    @property
+    def group(self) -> SocketGroup: ...
+
+    def whole_machine(self) -> tuple[SocketGroup, WeightStore, StateStore]: ...
 
 
 @dataclass
@@ -89,7 +114,7 @@ class _Fast:
 class CompiledGraph:
     """One Dynamo graph: a variant (plan and socket programs) per concrete input signature."""
 
-    def __init__(self, backend: NumaTPBackend, gm: torch.fx.GraphModule):
+    def __init__(self, backend: Backend, gm: torch.fx.GraphModule):
         self.backend = backend
         self.gm = gm
         self.variants: dict[tuple, Variant] = {}
@@ -142,13 +167,13 @@ class CompiledGraph:
         b = self.backend
         n = b.topology.num_sockets
         gm = _specialise(self.gm, {i: args[i].item() for i in self.scalars}) if self.scalars else self.gm
-        ag = trace_aten(gm, args, b.names)
+        ag = pipeline.trace(gm, args, b.names)
         stateful = any(ag.states)
         policy = b.state_policy if stateful and b.state_policy is not None else b.policy
         decide = None
         if policy == "auto":
             decide = b.decide or default_decider(b.topology)
-        plan = plan_graph(ag, n, policy=policy, decide=decide, plan=b.tp_plan)
+        plan = pipeline.plan(ag, n, policy=policy, decide=decide, tp_plan=b.tp_plan)
         if stateful and b.state_policy is None:
             # the graphs that write one cache (prefill, decode) hold its states the same way
             b.state_policy = "never" if runs_unsharded(plan, policy) else "always"
@@ -178,7 +203,7 @@ class CompiledGraph:
         sharded programs get, so that the choice between the two compares like with like."""
         group, store, states = self.backend.whole_machine()
         # the program's own plan (one socket), with the blocks' reasons for leaving them unsharded
-        one = replace(plan_graph(ag, 1, policy="never"), blocks=plan.blocks, predicted=plan.predicted)
+        one = replace(pipeline.plan(ag, 1, policy="never"), blocks=plan.blocks, predicted=plan.predicted)
         return self._programs(one, ag, args, group, store, states, t0)
 
     def _measure_both(self, plan: Plan, ag: Any, args: list[Any], t0: float) -> Variant:
@@ -189,10 +214,10 @@ class CompiledGraph:
         import time
         b = self.backend
         n = b.topology.num_sockets
-        sharded_plan = plan_graph(ag, n, policy="always", plan=b.tp_plan)
+        sharded_plan = pipeline.plan(ag, n, policy="always", tp_plan=b.tp_plan)
         marks = {"sharded": (b.weights, b.weights.mark())}
         sharded = self._programs(sharded_plan, ag, args, b.group, b.weights, b.states, t0)
-        unsharded_plan = plan_graph(ag, n, policy="never")
+        unsharded_plan = pipeline.plan(ag, n, policy="never")
         if b.gemm is None:
             unsharded = Variant(unsharded_plan, None, [], baseline=_plain(self.gm, args, b.compiler.mode))
         else:
@@ -236,12 +261,11 @@ class CompiledGraph:
         import time
         b = self.backend
         n = group.size
-        programs = [localize(ag, plan, r) for r in range(n)]
-        bindings = [p.bindings for p in programs]
-        local = [_bind(store, states, bindings[r], args, r) for r in range(n)]
-        executor = ShardedExecutor(group, b.compiler, gemm=b.gemm)
-        executor.build([p.gm for p in programs], local,
-                       weights=[p.weight_indices for p in programs])
+        built = pipeline.build(ag, plan, group=group, compiler=b.compiler, gemm=b.gemm, check=b.check,
+                               bind=lambda local: [_bind(store, states, p.bindings, args, p.rank) for p in local])
+        bindings = [p.bindings for p in built.local]
+        executor = ShardedExecutor(group, built.programs, swaps=built.swaps, reads=built.reads,
+                                   gemm_choices=built.choices)
         for r, swaps in enumerate(executor.swaps):
             for plain, prepared in swaps.values():
                 store.replace(r, plain, prepared)

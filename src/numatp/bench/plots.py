@@ -17,7 +17,7 @@ import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
 
-from numatp.bench.report import Point
+from numatp.bench.spec import Point
 
 __all__ = ["heatmaps", "scaling_plot", "speedup_bars"]
 

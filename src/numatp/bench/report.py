@@ -12,24 +12,15 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from numatp.bench.spec import MODES
+from numatp.bench.spec import MODES, Point
 from numatp.bench.sweep import read_results
 
 __all__ = ["Point", "PolicyRow", "decode_rates", "mean_times", "policy_table", "scaling", "speedups", "write_report"]
 
 SUMMARY = "summary.md"
 _PLOT_HINT = "pip install 'numatp[plot]'"
-
-
-class Point(NamedTuple):
-    """One configuration of the sweep; ``model`` is the label the figures show."""
-
-    model: str
-    dtype: str
-    batch: int
-    seq: int
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "DTYPES",
@@ -19,6 +19,7 @@ __all__ = [
     "PROCESS_POLICY_MODES",
     "QUICK",
     "Config",
+    "Point",
     "expand",
 ]
 
@@ -47,6 +48,16 @@ QUICK: Mapping[str, Any] = {
 }
 """The ``--quick`` sweep: three child processes. On a 2-core machine each spends 30-80 s compiling
 GPT-2 (Inductor, more for numatp-auto), so a second sequence length would take it past 5 minutes."""
+
+
+class Point(NamedTuple):
+    """One configuration of the sweep as the report and its figures key it; ``model`` is the label the
+    figures show."""
+
+    model: str
+    dtype: str
+    batch: int
+    seq: int
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""``numatp explain MODEL``: what the NUMA-TP pass does to a model, block by block, without compiling it."""
+"""``numatp explain MODEL``: what the NUMA-TP pass does to a model, block by block: the build pipeline
+(:mod:`numatp.plan.pipeline`) as ``numatp.compile`` runs it, stopped before compiling."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "explain", help="show how a model is sharded over sockets",
         description="Trace MODEL (a preset such as gpt2, or a local Hugging Face checkpoint folder) and "
         "show, per block, what is sharded and how, what is replicated and why, the weight bytes per "
-        "socket, and the cross-socket reductions. Nothing is compiled or placed.")
+        "socket, and the cross-socket reductions. The socket programs are built as numatp.compile builds "
+        "them and stop before compiling; nothing is placed.")
     p.add_argument("model", help="preset name (numatp.zoo.PRESETS) or checkpoint folder")
     p.add_argument("--sockets", type=int, default=2, help="socket count to plan for (default 2)")
     p.add_argument("--batch", type=int, default=1, help="batch size of the traced prefill (default 1)")
@@ -34,6 +36,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="decisions that override the pass (a tp_plan: module patterns to colwise, rowwise, "
                    "replicate, vocab), from a JSON file (e.g. an edited `tp_plan` of --json) or 'hf' for the "
                    "model's own; shows where they differ from the pass's own plan")
+    p.add_argument("--check", action="store_true",
+                   help="check the contracts between the pipeline's steps after each step (the same collectives "
+                   "on every socket, one reduction per sharded block, shard shapes, no foreign reads)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of tables (each graph's `tp_plan` can be edited and "
                    "passed back with --plan or numatp.compile(model, plan=...))")
@@ -42,11 +47,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, policy: str = "always",
-            tiny: bool = False, gemm: bool = False, tp_plan: str | dict | None = None) -> dict:
+            tiny: bool = False, gemm: bool = False, tp_plan: str | dict | None = None, check: bool = False) -> dict:
     import torch
 
     from numatp import zoo
-    from numatp.plan import Colwise, Rowwise, capture, hf_tp_plan, parse_tp_plan, plan_graph
+    from numatp.plan import Colwise, Rowwise, capture, hf_tp_plan, parse_tp_plan, pipeline
 
     model = zoo.build(model_name, tiny=tiny, dtype=getattr(torch, dtype))
     given = None
@@ -61,8 +66,8 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
         from numatp.backend import default_decider, resolve_topology
         decide = default_decider(resolve_topology(sockets))
     for ag, inputs in graphs:
-        own = plan_graph(ag, sockets, policy=policy, decide=decide).decisions if given is not None else None
-        plan = plan_graph(ag, sockets, policy=policy, decide=decide, plan=given)
+        own = pipeline.plan(ag, sockets, policy=policy, decide=decide).decisions if given is not None else None
+        plan = pipeline.plan(ag, sockets, policy=policy, decide=decide, tp_plan=given)
         weights = []
         for name, uses in plan.weights.items():
             for u in uses:
@@ -87,35 +92,49 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
         if own is not None:
             out["graphs"][-1]["differs_from_pass"] = {m: {"plan": v, "pass": own.get(m)}
                                                       for m, v in plan.decisions.items() if own.get(m) != v}
-        if gemm:
-            from numatp.backend import runs_unsharded
-            unsharded = runs_unsharded(plan, policy)
-            out["graphs"][-1]["gemm"] = _gemm_choices(ag, plan, inputs, sockets, unsharded)
-            out["graphs"][-1]["gemm"]["unsharded"] = unsharded
+        out["graphs"][-1].update(_lowered(ag, plan, inputs, sockets, policy, gemm=gemm, check=check))
     return out
 
 
-def _gemm_choices(ag, plan, inputs: list, sockets: int, unsharded: bool) -> dict:
-    """Per socket and weight matmul: shape, provider picked and measured GFLOP/s (GemmSelector.preview).
-    An unsharded graph is one program on one socket of all CPUs, as the backend runs it."""
-    from numatp.backend import resolve_topology
-    from numatp.plan import plan_graph
-    from numatp.plan.localize import localize
+def _lowered(ag, plan, inputs: list, sockets: int, policy: str, *, gemm: bool, check: bool) -> dict:
+    """The pipeline (:mod:`numatp.plan.pipeline`) as ``numatp.compile`` runs it for this graph, stopped
+    before compiling: per socket the steps of its program and, with ``gemm``, per weight matmul the
+    provider picked and the measured GFLOP/s behind it. An unsharded graph is one program on one socket
+    of all CPUs, as the backend runs it."""
+    from numatp.backend import resolve_topology, runs_unsharded
+    from numatp.plan import pipeline
+    from numatp.plan.gemm_pass import GemmSelector, report_rows
     from numatp.plan.reference import bind_inputs
     from numatp.runtime import SocketGroup
-    from numatp.plan.gemm_pass import GemmSelector
 
     topology = resolve_topology(sockets)
+    unsharded = runs_unsharded(plan, policy)
     if unsharded:
         topology = topology.whole()
-        plan = plan_graph(ag, 1, policy="never")
-    programs = [localize(ag, plan, r) for r in range(topology.num_sockets)]
-    args = [bind_inputs(p.bindings, inputs, p.rank) for p in programs]
-    weights = [p.weight_indices for p in programs]
-    selector = GemmSelector()
+        plan = pipeline.plan(ag, 1, policy="never")
+    selector = GemmSelector() if gemm else None
     with SocketGroup(topology) as group:
-        rows = selector.preview(group, [p.gm for p in programs], args, weights)
-    return {"cache": str(selector.table.path), "margin": selector.options.margin, "rows": rows}
+        built = pipeline.lower_programs(ag, plan, group=group, gemm=selector, check=check,
+                                        bind=lambda local: [bind_inputs(p.bindings, inputs, p.rank) for p in local])
+    out: dict = {"programs": [_steps(p) for p in built.programs], "checked": check}
+    if selector is not None:
+        out["gemm"] = {"cache": str(selector.table.path), "margin": selector.options.margin,
+                       "rows": report_rows(built.choices), "unsharded": unsharded}
+    return out
+
+
+def _steps(prog) -> dict:
+    """A socket program's steps by kind (``Segment``, ``GemmStep``, ``all_reduce``, ``all_gather``), and
+    how many reductions run inside its segments."""
+    import torch
+
+    from numatp.runtime.segments import Collective, Segment
+
+    inline = getattr(torch.ops.numatp, "socket_all_reduce", None)
+    inside = sum(inline is not None and n.target is inline.default
+                 for s in prog.steps if isinstance(s, Segment) for n in s.gm.graph.nodes)
+    kinds = [s.kind if isinstance(s, Collective) else type(s).__name__ for s in prog.steps]
+    return {"rank": prog.rank, "steps": kinds, "reductions_in_segments": inside}
 
 
 def _print_gemm(g: dict) -> None:
@@ -156,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     try:
         info = explain(args.model, sockets=args.sockets, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                       policy=args.policy, tiny=args.tiny, gemm=args.gemm, tp_plan=tp_plan)
+                       policy=args.policy, tiny=args.tiny, gemm=args.gemm, tp_plan=tp_plan,
+                       check=args.check)
     except (ValueError, MemoryError) as e:
         print(f"numatp explain: {e}", file=sys.stderr)
         return 2
@@ -189,6 +209,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"policy auto: predicted {1e3 * sh:.1f} ms sharded vs {1e3 * un:.1f} ms unsharded" + (
                 f"; within {100 * AUTO_MEASURE:.0f}% of each other, so numatp.compile builds both and keeps the "
                 "one the first call measures faster" if close else ""))
+        for p in g["programs"][:1]:
+            kinds = p["steps"]
+            print(f"socket programs (as numatp.compile builds them, not compiled): {len(kinds)} steps on socket "
+                  f"{p['rank']}: {kinds.count('Segment')} segments, {kinds.count('all_reduce')} all-reduce and "
+                  f"{kinds.count('all_gather')} all-gather steps, {kinds.count('GemmStep')} GEMM steps; "
+                  f"{p['reductions_in_segments']} reductions inside segments"
+                  + ("; contracts checked after each step" if g["checked"] else ""))
         if "differs_from_pass" in g:
             diff = g["differs_from_pass"]
             print(f"the plan given differs from the pass's own in {len(diff)} module(s)" + (":" if diff else ""))

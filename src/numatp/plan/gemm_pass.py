@@ -45,7 +45,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, PackInfo, Provider, best_provider,
                                  stand_in, streams)
-from numatp.runtime.segments import gather_in_place
+from numatp.plan.lower import gather_in_place
 from numatp.topology.resources import memory_available
 
 __all__ = ["GemmChoice", "GemmOptions", "GemmSelector", "report_rows"]

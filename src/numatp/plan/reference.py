@@ -17,6 +17,7 @@ import torch.fx
 from numatp.plan.localize import Binding, LocalProgram
 from numatp.plan.ops import COLLECTIVES
 from numatp.plan.schema import Colwise, IndexSet, Placement, Replicate, Rowwise
+from numatp.runtime.segments import place
 
 __all__ = ["shard_tensor", "bind_inputs", "run_reference", "gather", "place"]
 
@@ -67,14 +68,6 @@ def gather(shards: Sequence[torch.Tensor], dim: int, sets: Sequence[IndexSet], g
     for shard, s in zip(shards, sets):
         place(out, shard, dim, s)
     return out
-
-
-def place(out: torch.Tensor, shard: torch.Tensor, dim: int, s: IndexSet) -> None:
-    """Copy one socket's shard to its global indices ``s`` along ``dim`` of ``out``."""
-    pos = 0
-    for lo, hi in s.intervals:
-        out.narrow(dim, lo, hi - lo).copy_(shard.narrow(dim, pos, hi - lo))
-        pos += hi - lo
 
 
 def run_reference(programs: Sequence[LocalProgram], inputs: Sequence[Any]) -> Any:

@@ -1,12 +1,10 @@
 """Run the per-socket programs on a socket group: compiled segments, all-reduces between them.
 
-Contract. ``build`` takes each socket's local program and arguments: it applies the GEMM rewrite, turns
-single-query attention (a decode step) into fused reductions (:mod:`numatp.plan.attention_pass`), splits
-(:func:`~numatp.runtime.segments.split_program`: every reduction but the first inside the segments, a
-segment per layer) and compiles, and records per step what to free (``SocketProgram.finish``). ``run``
-guarantees socket 0's outputs, every socket having performed the same collectives; an exception in any
-socket reaches the caller (its peers stop waiting), and a socket missing past the group's timeout is
-named. ``src/numatp/runtime/README.md`` walks one call end to end.
+Contract. Takes: each socket's :class:`SocketProgram` (its steps, made and compiled by
+:mod:`numatp.plan.pipeline`; nothing here rewrites a graph). ``run`` guarantees socket 0's outputs, every
+socket having performed the same collectives; an exception in any socket reaches the caller (its peers
+stop waiting), and a socket missing past the group's timeout is named. ``src/numatp/runtime/README.md``
+walks one call end to end.
 
 Each worker runs its socket's segments on its own weight shards. An all-reduce hands the worker's
 partial sum to the group's collective (:mod:`numatp.runtime.collective`: C++, no GIL, reduce-scatter +
@@ -28,20 +26,14 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.fx
 
-from numatp.plan.attention_pass import fuse_single_query_attention
-from numatp.plan.reference import place
 from numatp.runtime.collective import rehearsal
-from numatp.runtime.gemm import GemmStep, stand_in
+from numatp.runtime.gemm import GemmStep
 from numatp.runtime.group import SocketGroup
-from numatp.runtime.segments import Collective, Segment, SegmentCompiler, split_program
-
-if TYPE_CHECKING:   # the GEMM rewrite is a graph pass (numatp.plan); the executor only calls it
-    from numatp.plan.gemm_pass import GemmChoice, GemmSelector
+from numatp.runtime.segments import Collective, Segment, place
 
 __all__ = ["SocketProgram", "ShardedExecutor"]
 
@@ -69,53 +61,33 @@ class SocketProgram:
 
 
 class ShardedExecutor:
-    """Compiles the socket programs and runs them on a :class:`SocketGroup`."""
+    """Runs the socket programs on a :class:`SocketGroup`.
 
-    def __init__(self, group: SocketGroup, compiler: SegmentCompiler, gemm: GemmSelector | None = None):
+    ``swaps``, ``reads`` and ``gemm_choices`` are what the build recorded for the caller, kept with the
+    programs they belong to (:class:`numatp.plan.pipeline.Programs`): per rank ``{index: (plain,
+    prepared)}`` (the caller passes the prepared operand from then on), per rank ``{index: weight}``
+    (these programs read that weight as stored where the caller holds a prompt's copy of it), and per
+    rank the GEMM providers the programs got."""
+
+    def __init__(self, group: SocketGroup, programs: list[SocketProgram], *,
+                 swaps: list[dict[int, tuple]] | None = None, reads: list[dict[int, torch.Tensor]] | None = None,
+                 gemm_choices: list[Any] | None = None):
         self.group = group
-        self.compiler = compiler
-        self.gemm = gemm
-        self.programs: list[SocketProgram] = []
+        self.programs = programs
         self.sync_seconds = [0.0] * group.size     # per socket: in all-reduces
         self.wait_seconds = [0.0] * group.size     # per socket: of which waiting for the last peer
         self.gather_seconds = [0.0] * group.size   # per socket: in all-gathers
-        self.swaps: list[dict[int, tuple]] = []
-        self.reads: list[dict[int, torch.Tensor]] = []   # per rank: weights these programs read instead
-        self.gemm_choices: list[GemmChoice] = []   # per rank, the providers this executor's programs got
+        self.swaps = swaps if swaps is not None else [{} for _ in programs]
+        self.reads = reads if reads is not None else [{} for _ in programs]
+        self.gemm_choices = gemm_choices or []
         self.performed = {"all_reduce": 0, "all_gather": 0}   # collectives completed by every socket
 
     @property
     def inline_reductions(self) -> bool:
         """Whether all-reduces run inside the compiled segments (every one after the first, where the C++
-        collective sums its dtype: ``numatp::socket_all_reduce``, see ``split_program``): no return to
-        Python, no GIL, between a kernel and its reduction. With one socket there is nothing to sum."""
+        collective sums its dtype: ``numatp::socket_all_reduce``, see :mod:`numatp.plan.lower`): no return
+        to Python, no GIL, between a kernel and its reduction. With one socket there is nothing to sum."""
         return self.group.size > 1
-
-    def build(self, local_gms: list[torch.fx.GraphModule], local_args: list[list[Any]],
-              weights: list[set[int]] | None = None) -> None:
-        """Compile the programs; with a GEMM selector and ``weights`` (per rank, the argument indices that
-        are weights) weight matmuls get their providers first, ``self.swaps`` lists per rank
-        ``{index: (plain, prepared)}``: the caller passes the prepared operand from then on, and
-        ``self.reads`` per rank ``{index: weight}``: these programs read that weight as stored where the
-        caller holds a prompt's copy of it (``GemmChoice.reads``)."""
-        self.programs = []
-        self.swaps = [{} for _ in local_gms]
-        self.reads = [{} for _ in local_gms]
-        if self.gemm is not None and weights is not None:
-            local_gms, local_args, self.swaps, self.reads = self.gemm.apply(self.group, local_gms, local_args,
-                                                                            weights)
-            self.gemm_choices = list(self.gemm.choices)
-        for rank, (gm, args) in enumerate(zip(local_gms, local_args)):
-            fuse_single_query_attention(gm)
-            placeholders, steps, outs = split_program(gm, [stand_in(a) for a in args], sockets=self.group.size)
-            threads = len(self.group.topology.sockets[rank].cpus)
-            for s in steps:
-                if isinstance(s, Segment):
-                    s.compiled = self.compiler.compile(s, threads)
-                    s.example = []
-            prog = SocketProgram(rank, placeholders, steps, outs)
-            prog.finish()
-            self.programs.append(prog)
 
     def warm(self, local_args: list[list[Any]]) -> None:
         """One call on the main thread per socket program, so that concurrent calls find everything loaded.
@@ -128,7 +100,7 @@ class ShardedExecutor:
                         env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
                     elif isinstance(step, GemmStep):
                         env[step.dst] = step(env)
-                    elif step.matmul is not None:   # with several sockets only (split_program)
+                    elif step.matmul is not None:   # with several sockets only (numatp.plan.lower)
                         env[step.dst] = torch.empty(step.full[0], dtype=step.full[1])
                         step.matmul(env, env[step.dst], step.sets[prog.rank].intervals[0])
                     else:
@@ -155,7 +127,7 @@ class ShardedExecutor:
                     env[step.dst] = step(env)
                 else:
                     t0 = time.perf_counter()
-                    if size == 1:   # a cut between layers (split_program): the sum over one socket
+                    if size == 1:   # a cut between layers (numatp.plan.lower): the sum over one socket
                         env[step.dst] = env[step.src]
                     elif step.kind == "all_reduce":
                         env[step.dst] = group.all_reduce(rank, env[step.src])

@@ -30,7 +30,6 @@ signature hashes the CPU's model and flags and the torch version, so another CPU
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -46,7 +45,8 @@ from pathlib import Path
 import torch
 
 from numatp._cache import cache_dir
-from numatp.topology.resources import last_level_cache_bytes
+from numatp.runtime.native import load_ops
+from numatp.topology.resources import cpu_signature, last_level_cache_bytes
 from numatp.topology.resources import memory_available as _available_bytes
 
 log = logging.getLogger("numatp")
@@ -155,7 +155,6 @@ def _onednn_call(x, w, bias, n, k):
 
 
 def _mkl_pack(w_nk, m, node=None):
-    from numatp.runtime.native import load_ops
     load_ops()
     return torch.ops.numatp.mkl_pack(w_nk.contiguous(), m, -1 if node is None else node)
 
@@ -172,7 +171,6 @@ def _gemv_prepare(w_nk, m):
     # the weight as stored, (N, K) or the transposed view of a (K, N) one: the kernel reads either
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"gemv runs up to {GEMV_MAX_ROWS} rows, not {m}")
-    from numatp.runtime.native import load_ops
     load_ops()
     return w_nk
 
@@ -372,25 +370,6 @@ def streamed_copies(shape: GemmShape) -> int:
     free = _available_bytes()
     want = min(2 * last_level_cache_bytes(), STREAM_MAX_BYTES, STREAM_MAX_BYTES if free is None else free // 32)
     return max(1, min(1024, -(-want // max(shape.weight_bytes, 1))))
-
-
-def cpu_signature() -> str:
-    """A short hash of this CPU (vendor, family, model, model name, flags) and the torch build."""
-    fields: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor is enough
-                k, _, v = line.partition(":")
-                if k.strip() in ("vendor_id", "cpu family", "model", "model name", "flags"):
-                    fields[k.strip()] = v.strip()
-    except OSError:
-        import platform
-        fields["machine"] = platform.processor() or platform.machine()
-    fields["torch"] = torch.__version__
-    fields["mkldnn"] = str(torch.backends.mkldnn.is_available())
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 default_cache_dir = cache_dir  # ``~/.cache/numatp``, or as numatp._cache.cache_dir says

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from numatp._cache import cache_dir
+from numatp.topology.resources import cpu_signature
 
 __all__ = ["compiler", "build", "library_path", "load_ops"]
 
@@ -54,8 +55,6 @@ def compiler() -> str:
 
 def build(sources: tuple[str, ...] = SOURCES) -> Path:
     """The shared library compiled from ``sources`` (files beside this module)."""
-    from numatp.runtime.gemm import cpu_signature
-
     srcs = [_HERE / s for s in sources]
     cxx = compiler()
     flags, libs = _flags()
