@@ -14,7 +14,7 @@ import torch.fx
 
 from numatp.plan.schema import IndexSet
 
-__all__ = ["Shard", "Layout", "NodeInfo", "Unsupported", "GroupSplit", "shape_of", "where"]
+__all__ = ["GroupSplit", "Layout", "NodeInfo", "Shard", "Unsupported", "shape_of", "where"]
 
 
 @dataclass(frozen=True)

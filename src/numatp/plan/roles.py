@@ -10,9 +10,8 @@ projection with the next block's input projections.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.fx

@@ -267,6 +267,8 @@ the shard of its output (None: replicated), or :class:`Unsupported`. An op not l
 
 
 def layout_of(node: torch.fx.Node, info: NodeInfo, grouped: frozenset[int]) -> Layout:
+    """The layout of ``node``'s value from its inputs' (already annotated): an item of a multi-output
+    op takes its piece, an op without a sharded input is replicated, any other op goes to its rule."""
     if node.target is operator.getitem:
         src = node.args[0].meta["numatp"].layout
         return src[node.args[1]] if isinstance(src, tuple) else src
