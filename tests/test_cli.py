@@ -35,6 +35,11 @@ def test_explain_json_lists_blocks_and_reductions(cli):
     assert g["reductions"] == 5 and g["gathers"] == 1
     kinds = sorted(b["kind"] for b in g["blocks"] if b["sharded"])
     assert kinds == ["attention", "attention", "embedding", "lm_head", "mlp", "mlp"]
+    # each block's reason comes as its kind and as the prose the table prints
+    reasons = sorted((b["kind"], b["reason_kind"]) for b in g["blocks"])
+    assert reasons == [("attention", "column_row")] * 2 + [("embedding", "small_table"), ("embedding", "vocab_rows"),
+                                                           ("lm_head", "vocab_columns")] + [("mlp", "column_row")] * 2
+    assert all(isinstance(b["reason"], str) and b["reason"] for b in g["blocks"])
     # the tied vocabulary table is split; norms, biases after reductions and positions are replicated
     assert 0.9 < g["sharded_fraction"] < 1.0
     assert sum(g["socket_bytes"]) > g["model_bytes"]  # replicated tensors are counted on each socket
@@ -108,7 +113,7 @@ def test_explain_auto_says_whether_compile_will_measure_and_compile_does(cli):
         compiled = numatp.compile(model, sockets=2, policy="auto", mode="eager")
         compiled(**zoo.example_inputs(model, batch=1, seq=128))
     (plan,) = numatp.plans(compiled)
-    measured = any("timed on the first call" in b.reason for b in plan.blocks)
+    measured = any(b.reason.kind == "measured" for b in plan.blocks)
     assert measured == graph["measures_both"]
     assert plan.predicted == pytest.approx(pred, rel=1e-6)
 

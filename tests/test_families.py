@@ -171,7 +171,7 @@ def test_vocabulary_parallel_embedding(family, sockets):
     assert [len(s.intervals) for s in splits] == [1] * sockets
     assert sorted(i for s in splits for i in s.indices()) == list(range(vocab))
     (block,) = [b for b in plan.blocks if b.kind == "embedding" and b.sharded]
-    assert ("tied LM head" in block.reason) == (family == "gpt2")
+    assert block.reason.kind == "vocab_rows" and block.reason.tied == (family == "gpt2")
     # each socket holds its rows only: the table's bytes are split, not copied
     row_bytes = uses[0].nbytes // vocab
     assert [uses[0].local_bytes(r) for r in range(sockets)] == [len(s) * row_bytes for s in splits]

@@ -134,10 +134,50 @@ def test_unrecognised_block_runs_replicated_and_says_why():
     (ag, real), = capture(model, x)
     plan = plan_graph(ag, 2)
     (blk,) = [b for b in plan.blocks if not b.sharded]
-    assert "reduces over the sharded dimension" in blk.reason
+    assert blk.reason.kind == "reduction" and blk.reason.module == blk.module
+    assert "reduces over the sharded dimension" in str(blk.reason)   # what explain prints names the op
     (out,) = run_reference([localize(ag, plan, r) for r in range(2)], real)
     with torch.no_grad():
         assert_close_to_eager(out, model(x), "odd")
+
+
+class _Between(torch.nn.Module):
+    """up -> ``op`` over the features -> down: a block whose middle op decides whether it can be sharded."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.up, self.down, self.op = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32), op
+
+    def forward(self, x):
+        return self.down(self.op(self.up(x))) + x
+
+
+def test_an_op_without_a_sharding_rule_replicates_its_block():
+    # cumsum is in no rule of the table and is not elementwise: the fallback refuses it
+    model = _Between(lambda h: torch.cumsum(h, dim=-1)).eval()
+    x = torch.randn(2, 8, 32)
+    (ag, real), = capture(model, x)
+    plan = plan_graph(ag, 2)
+    (blk,) = plan.blocks
+    assert not blk.sharded and blk.reason.kind == "no_rule" and "cumsum" in blk.reason.op
+    assert plan.reductions == 0
+    (out,) = run_reference([localize(ag, plan, r) for r in range(2)], real)
+    with torch.no_grad():
+        assert_close_to_eager(out, model(x), "cumsum between the projections")
+
+
+def test_relaxing_is_bounded_and_exceeding_the_bound_names_the_graph(monkeypatch):
+    # a norm over the sharded features takes one relaxation (replicate the block) and a second round;
+    # with the bound at one round that is an internal error that names the graph by its parameters
+    from numatp.plan.state import PlanState
+
+    model = _Between(lambda h: torch.nn.functional.layer_norm(h, (64,))).eval()
+    (ag, _), = capture(model, torch.randn(2, 8, 32))
+    assert plan_graph(ag, 2).blocks[0].reason.kind == "reduction"
+    monkeypatch.setattr(PlanState, "max_rounds", staticmethod(lambda matmuls: 1))
+    with pytest.raises(RuntimeError, match=r"internal error: planning the graph of up\.weight \.\. down\.bias "
+                                           r"\(4 parameters\) did not settle in 1 rounds"):
+        plan_graph(ag, 2)
 
 
 @pytest.mark.parametrize("sharded_wins", [True, False])
@@ -159,7 +199,9 @@ def test_auto_policy_follows_the_graph_total(sharded_wins):
     # the vocabulary table is sharded with the graph (GPT-2's position table stays replicated)
     tables = {b.module: b.sharded for b in plan.blocks if b.kind == "embedding"}
     assert tables == ({"lm_head": True, "transformer.wpe": False} if sharded_wins else {})
-    assert all("test decider" in b.reason for b in blocks)
+    assert all(b.reason.kind == ("column_row" if sharded_wins else "cost") for b in blocks)
+    assert all(b.reason.cost == f"test decider for {b.module}" for b in blocks)
+    assert all(b.reason.predicted_ms == ((4e3, 8e3) if sharded_wins else (8e3, 4e3)) for b in blocks)
     assert plan.reductions == (5 if sharded_wins else 0)
 
 
@@ -188,7 +230,9 @@ def test_auto_policy_counts_only_blocks_the_pass_can_shard():
     plan = plan_graph(ag, 2, policy="auto", decide=decide)
     assert seen == ["mlp"], seen  # the norm block was never offered
     by_module = {b.module: b for b in plan.blocks}
-    assert by_module["mlp"].sharded and "test decider" in by_module["mlp"].reason
+    assert by_module["mlp"].sharded and by_module["mlp"].reason.kind == "column_row"
+    assert by_module["mlp"].reason.cost == "test decider for mlp"
+    assert {b.reason.kind for m, b in by_module.items() if m != "mlp"} == {"reduction"}
     assert not any(b.sharded for m, b in by_module.items() if m != "mlp")
     (out,) = run_reference([localize(ag, plan, r) for r in range(2)], real)
     with torch.no_grad():

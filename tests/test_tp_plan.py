@@ -73,9 +73,13 @@ def test_overrides_replicate_a_block_and_one_projection_and_stay_equal_to_eager(
         assert_close_to_eager(fast(input_ids=ids).logits, model(input_ids=ids).logits, "llama with overrides")
     (p,) = numatp.plans(fast)
     blocks = {b.module: b for b in p.blocks}
-    assert not blocks["model.layers.1.mlp"].sharded and "replicated by plan" in blocks["model.layers.1.mlp"].reason
+    mlp = blocks["model.layers.1.mlp"]
+    assert not mlp.sharded and (mlp.reason.kind, mlp.reason.source, mlp.reason.pattern) == (
+        "by_plan", "plan", "model.layers.1.mlp.down_proj")
     attn = blocks["model.layers.0.self_attn"]
     assert attn.sharded and attn.replicated_columns == ("model.layers.0.self_attn.k_proj.weight",)
+    assert attn.reason.kind == "column_row" and attn.reason.by_plan == (
+        ("model.layers.0.self_attn.k_proj.weight", "layers.*.self_attn.k_proj"),)
     assert p.reductions == 2 * 2 + 1 - 1   # the replicated MLP has no reduction
     assert p.to_tp_plan()["model.layers.1.mlp.gate_proj"] == "replicate"
 

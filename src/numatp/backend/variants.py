@@ -21,7 +21,7 @@ from numatp.backend.policy import AUTO_ROUNDS, close_call, default_decider, runs
 from numatp.backend.states import StateStore
 from numatp.backend.weights import WeightStore
 from numatp.plan import pipeline
-from numatp.plan.schema import Plan, Replicate
+from numatp.plan.schema import Plan, Reason, Replicate
 from numatp.runtime.executor import ShardedExecutor
 from numatp.plan.gemm_pass import GemmSelector
 from numatp.runtime.group import SocketGroup
@@ -247,7 +247,8 @@ class CompiledGraph:
         # and the measurement; the kept plan's weights say how they run
         why = {blk.module: blk.reason for blk in plan.blocks}
         blocks = tuple(replace(blk, sharded=blk.sharded and pick == "sharded",
-                               reason=f"{why[blk.module]}; {note}" if why.get(blk.module) else note)
+                               reason=why[blk.module].measured(note) if blk.module in why
+                               else Reason("measured", module=blk.module, sockets=n, detail=note))
                        for blk in sharded_plan.blocks)
         keep.plan = replace(keep.plan, blocks=blocks, predicted=pred)
         keep.build_seconds = time.perf_counter() - t0

@@ -79,7 +79,8 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
         sharded_bytes = plan.model_bytes - plan.replicated_bytes
         out["graphs"].append({
             "blocks": [{"kind": b.kind, "module": b.module, "sharded": b.sharded, "columns": list(b.columns),
-                        "row": b.row, "replicated_columns": list(b.replicated_columns), "reason": b.reason}
+                        "row": b.row, "replicated_columns": list(b.replicated_columns), "reason": str(b.reason),
+                        "reason_kind": b.reason.kind}
                        for b in plan.blocks],
             "weights": weights,
             "reductions": plan.reductions, "gathers": plan.gathers,

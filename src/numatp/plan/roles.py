@@ -10,6 +10,7 @@ projection with the next block's input projections.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,8 @@ import torch.fx
 
 from numatp.plan.views import view_groups
 
-__all__ = ["WeightMatmul", "find_weight_matmuls", "find_blocks", "column_segments"]
+__all__ = ["WeightMatmul", "find_weight_matmuls", "find_blocks", "column_segments", "block_module",
+           "has_attention", "reaches_output", "ATTENTION_OPS", "ATTENTION_MARKS"]
 
 aten = torch.ops.aten
 # op groups the pass modules share (propagate, tp_pass and localize import them from here)
@@ -25,6 +27,16 @@ TRANSPOSE_OPS = {aten.permute.default, aten.t.default, aten.transpose.int}
 IDENTITY_OPS = {aten.clone.default, aten.alias.default, torch.ops.prims.convert_element_type.default,
                 aten._to_copy.default, aten.lift_fresh_copy.default, aten.detach.default}
 VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+ATTENTION_OPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten.scaled_dot_product_attention.default,
+}
+# what marks a block as attention: an attention op, a softmax, or the batched products of the math path
+# (Inductor's decompositions turn softmax into exp / sum, so the products are what remains)
+ATTENTION_MARKS = ATTENTION_OPS | {aten._softmax.default, aten._safe_softmax.default, aten.bmm.default,
+                                   aten.baddbmm.default}
 
 
 @dataclass(frozen=True)
@@ -227,3 +239,41 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
                 unit = max(unit, u)
         pieces.append((lo, hi - lo, unit))
     return pieces
+
+
+def block_module(names: list[str]) -> str:
+    """The module a block's parameters share (their names' common prefix), or all of them."""
+    parts = [n.split(".")[:-1] for n in names]
+    common = os.path.commonprefix(parts) if parts else []
+    if len(parts) == 1:
+        return ".".join(parts[0])
+    return ".".join(common) or ", ".join(".".join(p) for p in parts)
+
+
+def reaches_output(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value reaches the graph's output without passing another weight matmul."""
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n.op == "output":
+            return True
+        if n in seen or (n is not node and n.target in (aten.mm.default, aten.addmm.default)):
+            continue
+        seen.add(n)
+        todo.extend(n.users)
+    return False
+
+
+def has_attention(row: WeightMatmul, cols: list[WeightMatmul]) -> bool:
+    """Whether the block of ``row`` and ``cols`` is attention (an attention mark between them)."""
+    stops = {c.node for c in cols}
+    todo, seen = [row.x], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n in stops:
+            continue
+        seen.add(n)
+        if n.target in ATTENTION_MARKS:
+            return True
+        todo.extend(n.all_input_nodes)
+    return False

@@ -12,7 +12,7 @@ from typing import Literal
 
 __all__ = [
     "IndexSet", "even_split", "Colwise", "Rowwise", "Replicate", "Placement",
-    "Block", "WeightPlan", "Plan",
+    "Reason", "ReasonKind", "Block", "WeightPlan", "Plan",
 ]
 
 
@@ -109,6 +109,97 @@ class Replicate:
 Placement = Colwise | Rowwise | Replicate
 
 
+ReasonKind = Literal[
+    "column_row",     # sharded: column projections split by heads / units, output projection by rows
+    "vocab_columns",  # an LM head split over the vocabulary, its logits gathered
+    "vocab_rows",     # an embedding table split by rows (vocabulary-parallel), lookups summed
+    "by_plan",        # replicated because the tp_plan given says so
+    "cost",           # policy "auto": the cost model predicts the graph faster unsharded
+    "measured",       # policy "auto", a close call: both plans were built and timed, the faster kept
+    "reduction",      # an op reduces over the sharded dimension (a norm over the features)
+    "no_rule",        # an op with no sharding rule meets a sharded value
+    "layout",         # an op cannot carry the shard it is given (views, writes, masks, K/V heads, ...)
+    "kv_groups",      # grouped-query heads cannot be split along their K/V groups over these sockets
+    "small_table",    # an embedding table beside the vocabulary: not worth an all-reduce
+    "uneven_table",   # a vocabulary that cannot give each socket one contiguous range of rows
+    "read_whole",     # a table some op reads whole (a tied LM head left replicated)
+]
+
+
+@dataclass(frozen=True)
+class Reason:
+    """Why a block is sharded or replicated: a ``kind`` that tests and tools compare, with the facts that
+    :meth:`__str__` renders as the prose ``numatp explain`` prints. Fields not used by a kind stay empty."""
+
+    kind: ReasonKind
+    module: str = ""
+    sockets: int = 0
+    sizes: tuple[int, ...] = ()
+    """kv_groups: (query heads, K/V heads); small_table: (rows, width, vocabulary rows, width);
+    uneven_table: (rows,); vocab_rows: each socket's (start, stop) flattened."""
+    op: str = ""
+    """The op (and node) that decided it: reduction, no_rule, layout, read_whole."""
+    detail: str = ""
+    """The propagation rule's words (reduction, no_rule, layout) or the measurement (measured)."""
+    source: str = ""
+    """by_plan, and columns a plan replicates: where the plan came from ("plan", "hf tp_plan", a file)."""
+    pattern: str = ""
+    """by_plan: the plan's pattern that matched the module."""
+    replicated: tuple[str, ...] = ()
+    """column_row: column projections computed whole on every socket (too few heads to split)."""
+    by_plan: tuple[tuple[str, str], ...] = ()
+    """column_row: (column projection, pattern) the plan replicates beside the split ones."""
+    cost: str = ""
+    """The cost model's words for this block (policy "auto")."""
+    predicted_ms: tuple[float, float] | None = None
+    """policy "auto": the graph's predicted (sharded, unsharded) milliseconds."""
+    tied: bool = False
+    """vocab_rows: the table shares its shards with a tied LM head."""
+    prior: Reason | None = None
+    """measured: the reason the prediction gave before the measurement."""
+
+    def __str__(self) -> str:
+        k = self.kind
+        if k == "column_row":
+            text = "column/row parallel"
+            if self.replicated:
+                text += f"; {', '.join(self.replicated)} replicated: too few heads to split"
+            text += "".join(f"; {c} replicated by {self.source} ({p!r})" for c, p in self.by_plan)
+            return text + (f"; {self._predicted()}" if self.predicted_ms is not None else "")
+        if k == "vocab_columns":
+            return "column-parallel over the vocabulary, then gathered"
+        if k == "vocab_rows":
+            ranges = ", ".join(f"{a}:{b}" for a, b in zip(self.sizes[::2], self.sizes[1::2]))
+            return (f"vocabulary-parallel: rows {ranges} per socket, lookups summed by one all-reduce"
+                    + ("; the same shards as the tied LM head" if self.tied else ""))
+        if k == "by_plan":
+            return f"replicated by {self.source} ({self.pattern!r})"
+        if k == "cost":
+            return f"{self._predicted()}: the graph stays unsharded"
+        if k == "measured":
+            return f"{self.prior}; {self.detail}" if self.prior is not None else self.detail
+        if k == "kv_groups":
+            q, kv = self.sizes
+            return f"{q} query heads in {kv} K/V groups cannot be split along the groups over {self.sockets} sockets"
+        if k == "small_table":
+            rows, width, *vocab = self.sizes
+            return (f"small table ({rows} x {width}) beside the {tuple(vocab)} vocabulary: replicated, sharding "
+                    "it would add an all-reduce for little memory")
+        if k == "uneven_table":
+            return f"{self.sizes[0]} rows cannot be split into one contiguous range per socket over {self.sockets} sockets"
+        if k == "read_whole":
+            return f"read whole by {self.op}: replicated"
+        return self.detail   # reduction, no_rule, layout: the rule's own words name the op
+
+    def _predicted(self) -> str:
+        sharded, unsharded = self.predicted_ms or (0.0, 0.0)
+        return f"{self.cost}; graph predicted {sharded:.1f} ms sharded vs {unsharded:.1f} ms unsharded"
+
+    def measured(self, note: str) -> Reason:
+        """This reason, followed by what timing both plans found (``kind`` becomes "measured")."""
+        return Reason("measured", module=self.module, sockets=self.sockets, detail=note, prior=self)
+
+
 @dataclass(frozen=True)
 class Block:
     """One attention, MLP or LM-head block as the pass found it, and what it decided."""
@@ -118,7 +209,7 @@ class Block:
     columns: tuple[str, ...]
     row: str | None
     sharded: bool
-    reason: str
+    reason: Reason
     replicated_columns: tuple[str, ...] = ()
     shapes: dict[str, int] = field(default_factory=dict)
 

@@ -1,10 +1,14 @@
 """The NUMA-TP pass: decide per block how to shard, and produce the partitioning schema.
 
-Steps (each a function below): find weight matmuls -> pair them into blocks -> choose each column's
-per-socket output sets -> propagate layouts -> on an unsupported op, replicate that block and repeat ->
-record the schema. The graph is annotated in place while planning (``node.meta["numatp"]``), and the
-plan keeps each node's decision (``Plan.nodes``), from which :mod:`numatp.plan.localize` makes one
-program per socket.
+Steps: find weight matmuls -> apply the tp_plan's and the policy's decisions to a
+:class:`~numatp.plan.state.PlanState` -> rounds of :func:`_assign` (pair matmuls into blocks, choose each
+column's per-socket output sets) and :func:`~numatp.plan.propagate.propagate` (layouts, stopping at the
+first :class:`~numatp.plan.propagate.Conflict`) -> on a conflict :func:`_relax` gives up one decision
+(split along K/V groups, replicate the narrower columns, replicate the block) and records why, at most
+``PlanState.max_rounds`` rounds -> vocabulary-parallel tables (:mod:`numatp.plan.vocab`) -> the schema,
+each block with its :class:`~numatp.plan.schema.Reason`. The graph is annotated in place while planning
+(``node.meta["numatp"]``), and the plan keeps each node's decision (``Plan.nodes``), from which
+:mod:`numatp.plan.localize` makes one program per socket.
 
 Contract. Takes: an :class:`~numatp.plan.trace.AtenGraph`, a socket count, a policy (with a decider for
 "auto") and optionally a tp_plan (:mod:`numatp.plan.tp_plan`). Guarantees: a :class:`Plan` in which
@@ -12,33 +16,31 @@ every attention and MLP block is sharded (column/row parallel, one reduction) or
 reason; the LM head column-parallel where it can be; the largest embedding table vocabulary-parallel
 where it can be; ``to_tp_plan()`` gives its decisions back in the tp_plan vocabulary. Refuses
 (ValueError): a socket count below 1 or one that leaves a socket without a head of some block, an
-unknown policy, and a tp_plan decision the dataflow cannot honour.
+unknown policy, and a tp_plan decision the dataflow cannot honour. A graph that does not settle within
+its bound of rounds is an internal error (RuntimeError) naming the graph.
 """
 
 from __future__ import annotations
 
-
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
 
-from numatp.plan.propagate import ATTENTION_OPS, GroupSplit, Shard, Unsupported, group_head_sets, propagate
-from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, column_segments, find_blocks, find_weight_matmuls
-from numatp.plan.schema import (Block, Colwise, IndexSet, Plan, Replicate, Rowwise, WeightPlan, even_split)
+from numatp.plan.overrides import apply_fixed, decisions, fixed_decisions
+from numatp.plan.propagate import Conflict, Shard, group_head_sets, propagate
+from numatp.plan.roles import (ATTENTION_MARKS, WeightMatmul, block_module, column_segments, find_blocks,
+                               find_weight_matmuls, has_attention, reaches_output)
+from numatp.plan.schema import Block, Colwise, IndexSet, Plan, Reason, Replicate, Rowwise, WeightPlan, even_split
+from numatp.plan.state import PlanState, Round
 from numatp.plan.tp_plan import TpPlan
 from numatp.plan.trace import AtenGraph
+from numatp.plan.vocab import replica_users, shard_vocabulary
 
-__all__ = ["plan_graph", "replica_users", "group_head_sets", "BlockCandidate", "Decider"]
+__all__ = ["plan_graph", "replica_users", "group_head_sets", "BlockCandidate", "Decider", "PlanState"]
 
 aten = torch.ops.aten
-_SOFTMAX = {aten._softmax.default, aten._safe_softmax.default}
-_EMBEDDING = aten.embedding.default
-# what marks a block as attention: an attention op, a softmax, or the batched products of the math path
-# (Inductor's decompositions turn softmax into exp / sum, so the products are what remains)
-_ATTENTION_MARKS = ATTENTION_OPS | _SOFTMAX | {aten.bmm.default, aten.baddbmm.default}
 
 
 @dataclass(frozen=True)
@@ -56,14 +58,6 @@ class BlockCandidate:
 
 Decider = Callable[[BlockCandidate, int], tuple[dict[str, float], str]]
 """``decide(block, sockets) -> ({"sharded": s, "unsharded": s, ...}, reason)``: predicted seconds per choice."""
-
-
-def _module(names: list[str]) -> str:
-    parts = [n.split(".")[:-1] for n in names]
-    common = os.path.commonprefix(parts) if parts else []
-    if len(parts) == 1:
-        return ".".join(parts[0])
-    return ".".join(common) or ", ".join(".".join(p) for p in parts)
 
 
 def _column_sets(col: WeightMatmul, sockets: int,
@@ -131,15 +125,9 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
     states = {n for i, n in enumerate(placeholders) if ag.states[i]}
     matmuls = find_weight_matmuls(gm, params)
     by_node = {m.node: m for m in matmuls}
-    excluded: set[torch.fx.Node] = set()
-    reasons: dict[torch.fx.Node, tuple[str, str, str]] = {}  # row (or LM head) -> (kind, module, why) if replicated
-    accepted: dict[torch.fx.Node, str] = {}  # row -> the decider's reason to shard
-    no_lm_head: set[torch.fx.Node] = set()
-    narrowed: set[torch.fx.Node] = set()   # rows whose block retries with only the widest columns split
-    grouped: dict[torch.fx.Node, tuple[int, int]] = {}  # rows whose block retries split along its K/V groups
-    predicted = None
-    fixed, fixed_tables = _fixed(plan, ag, matmuls, placeholders, params) if plan is not None else ({}, {})
-    forced, forced_lm, forced_rep = _apply_fixed(plan, fixed, matmuls, names, excluded, reasons, no_lm_head)
+    state = PlanState()
+    fixed, fixed_tables = fixed_decisions(plan, ag, matmuls, placeholders, params) if plan is not None else ({}, {})
+    apply_fixed(plan, fixed, matmuls, names, state)
     if policy == "auto":
         # only blocks the pass can actually shard count: a block it must replicate (a norm over the
         # sharded features, say) runs whole either way, and its predicted gain would be fiction
@@ -148,325 +136,156 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
         except ValueError:  # these sockets cannot split some block's heads: nothing is sharded
             shardable = set()
         candidates = [(row, cols) for row, cols in find_blocks(matmuls, set())
-                      if names[row.param] in shardable and row.node not in forced and row.node not in excluded]
-        policy, predicted = _auto(candidates, names, sockets, decide, accepted, reasons)
+                      if names[row.param] in shardable and row.node not in state.forced
+                      and row.node not in state.excluded]
+        policy = _auto(candidates, names, sockets, decide, state)
+    limit = PlanState.max_rounds(matmuls)
     while True:
-        blocks = [b for b in find_blocks(matmuls, excluded) if policy != "never" or b[0].node in forced]
-        column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]] = {}
-        rows: dict[torch.fx.Node, int] = {}
-        members: list[tuple[WeightMatmul | None, list[WeightMatmul], list[WeightMatmul]]] = []
-        grouped_ids: set[int] = set()
-        for row, cols in blocks:
-            bid = len(members)
-            if row.node in grouped:
-                grouped_ids.add(bid)
-            sets = {c.node: _column_sets(c, sockets, grouped.get(row.node)) for c in cols}
-            if row.node in narrowed:
-                # K/V heads that split unlike the query heads: replicate the narrower projections
-                widest = max(c.out_features for c in cols)
-                sets = {n: (v if by_node[n].out_features == widest else None) for n, v in sets.items()}
-            sets = {n: (None if n in forced_rep else v) for n, v in sets.items()}
-            split = [c for c in cols if sets[c.node] is not None]
-            module = _module([names[m.param] for m in [*cols, row]])
-            if not split:
-                dims = ", ".join(f"{names[c.param]}: {c.out_features} outputs in pieces "
-                                 f"{[(o, n // u) for o, n, u in column_segments(c)]} (offset, units)" for c in cols)
-                raise ValueError(f"{module}: cannot split over {sockets} sockets ({dims}); pass fewer sockets "
-                                 "or policy='auto'")
-            for c in split:
-                column_sets[c.node] = (bid, sets[c.node])
-            rows[row.node] = bid
-            members.append((row, split, [c for c in cols if sets[c.node] is None]))
-        lm_heads = set()
-        paired = {m.node for r, s, rep in members for m in [r, *s, *rep] if m is not None}
-        for m in matmuls:
-            if m.node not in forced_lm and (m.node in paired or m.node in no_lm_head or policy == "never"
-                                            or m.out_features < 2 * m.in_features or not _reaches_output(m.node)):
-                continue
-            sets = _column_sets(m, sockets)
-            if sets is None:
-                continue
-            column_sets[m.node] = (len(members), sets)
-            lm_heads.add(m.node)
-            members.append((None, [m], []))
-        try:
-            propagate(gm, column_sets, rows, lm_heads, grouped_ids, states)
+        state.rounds += 1
+        if state.rounds > limit:
+            raise RuntimeError(f"numatp internal error: planning the graph of {_graph_name(ag)} did not settle "
+                               f"in {limit} rounds (each round must give up one decision); please report it "
+                               "with the model")
+        rnd = _assign(state, matmuls, by_node, names, sockets, policy)
+        conflict = propagate(gm, rnd.column_sets, rnd.rows, rnd.lm_heads, rnd.grouped_ids, states)
+        if conflict is None:
             break
-        except Unsupported as e:
-            row, cols, _ = members[e.block]
-            if (row is None and cols[0].node in forced_lm) or (row is not None and row.node in forced):
-                grouping = isinstance(e, GroupSplit) and row is not None and row.node not in grouped
-                if not grouping or group_head_sets(e.q_heads, e.q_heads, e.kv_heads, sockets) is None:
-                    key = cols[0].node if row is None else row.node
-                    value, pattern = (fixed.get(key) or next(fixed[m.node] for m in cols if m.node in fixed))[:2]
-                    raise ValueError(f"{plan.source}: {pattern!r} asks {value} in "
-                                     f"{_module([names[m.param] for m in [*cols, *([row] if row else [])]])}, "
-                                     f"which the pass cannot shard: {e.reason}")
-            if isinstance(e, GroupSplit) and row is not None and row.node not in grouped:
-                if group_head_sets(e.q_heads, e.q_heads, e.kv_heads, sockets) is not None:
-                    grouped[row.node] = (e.q_heads, e.kv_heads)
-                    continue
-                e = Unsupported(e.block, f"{e.q_heads} query heads in {e.kv_heads} K/V groups cannot be split "
-                                         f"along the groups over {sockets} sockets")
-            if row is None:
-                no_lm_head.add(cols[0].node)
-                reasons[cols[0].node] = ("lm_head", _module([names[cols[0].param]]), e.reason)
-            elif row.node not in narrowed and len({c.out_features for c in cols}) > 1:
-                narrowed.add(row.node)
-            else:
-                excluded |= {row.node, *(c.node for c in cols)}
-                kind = "attention" if _has_attention(row, cols) else "mlp"
-                reasons[row.node] = (kind, _module([names[m.param] for m in [*cols, row]]), e.reason)
+        _relax(state, rnd, conflict, sockets, names, fixed, plan)
     if policy != "never" or any(v[0] == "vocab" for v in fixed_tables.values()):
-        tables = _shard_vocabulary(gm, params, names, column_sets, by_node, sockets, fixed_tables,
+        tables = shard_vocabulary(gm, params, names, rnd.column_sets, by_node, sockets, fixed_tables,
                                    plan.source if plan is not None else "plan")
     else:
         tables = {}
-    result = _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node, tables,
-                     _decisions(ag, placeholders, matmuls, tables),
-                     {n: f"by {plan.source} ({fixed[n][1]!r})" for n in forced_rep})
-    return replace(result, predicted=predicted) if predicted else result
+    by_plan = {n: (plan.source, fixed[n][1]) for n in state.forced_rep}
+    result = _schema(gm, sockets, rnd.members, state, names, params, by_node, tables,
+                     decisions(ag, placeholders, matmuls, tables), by_plan)
+    return replace(result, predicted=state.predicted) if state.predicted else result
 
 
-def _module_of(ag: AtenGraph, index: int, kind: str) -> str:
-    """The module that reads placeholder ``index`` as ``kind`` (``matmul`` or ``lookup``)."""
-    return ag.modules[index].get(kind) or ag.names[index].rsplit(".", 1)[0]
+def _graph_name(ag: AtenGraph) -> str:
+    """A graph, named by its first and last parameters (a graph has no name of its own)."""
+    named = [n for n, p in zip(ag.names, ag.is_param) if p]
+    return f"{named[0]} .. {named[-1]} ({len(named)} parameters)" if named else f"{len(ag.names)} inputs"
 
 
-def _fixed(plan: TpPlan, ag: AtenGraph, matmuls: list[WeightMatmul], placeholders: list[torch.fx.Node],
-           params: set[torch.fx.Node]) -> tuple[dict, dict]:
-    """The plan's decision ``(value, pattern, module)`` per weight matmul node and per embedding table."""
-    index = {p: i for i, p in enumerate(placeholders)}
-    names: dict[str, list[tuple[str, object]]] = {}
+def _assign(state: PlanState, matmuls: list[WeightMatmul], by_node: dict[torch.fx.Node, WeightMatmul],
+            names: dict[torch.fx.Node, str], sockets: int, policy: str) -> Round:
+    """Blocks and LM heads as the state stands, with each split projection's per-socket output sets.
+    A block none of whose column projections can split over ``sockets`` is the user's error."""
+    blocks = [b for b in find_blocks(matmuls, state.excluded) if policy != "never" or b[0].node in state.forced]
+    column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]] = {}
+    rows: dict[torch.fx.Node, int] = {}
+    members: list[tuple[WeightMatmul | None, list[WeightMatmul], list[WeightMatmul]]] = []
+    grouped_ids: set[int] = set()
+    for row, cols in blocks:
+        bid = len(members)
+        if row.node in state.grouped:
+            grouped_ids.add(bid)
+        sets = {c.node: _column_sets(c, sockets, state.grouped.get(row.node)) for c in cols}
+        if row.node in state.narrowed:
+            # K/V heads that split unlike the query heads: replicate the narrower projections
+            widest = max(c.out_features for c in cols)
+            sets = {n: (v if by_node[n].out_features == widest else None) for n, v in sets.items()}
+        sets = {n: (None if n in state.forced_rep else v) for n, v in sets.items()}
+        split = [c for c in cols if sets[c.node] is not None]
+        if not split:
+            module = block_module([names[m.param] for m in [*cols, row]])
+            dims = ", ".join(f"{names[c.param]}: {c.out_features} outputs in pieces "
+                             f"{[(o, n // u) for o, n, u in column_segments(c)]} (offset, units)" for c in cols)
+            raise ValueError(f"{module}: cannot split over {sockets} sockets ({dims}); pass fewer sockets "
+                             "or policy='auto'")
+        for c in split:
+            column_sets[c.node] = (bid, sets[c.node])
+        rows[row.node] = bid
+        members.append((row, split, [c for c in cols if sets[c.node] is None]))
+    lm_heads = set()
+    paired = {m.node for r, s, rep in members for m in [r, *s, *rep] if m is not None}
     for m in matmuls:
-        for key in (_module_of(ag, index[m.param], "matmul"), ag.names[index[m.param]]):
-            names.setdefault(key, []).append(("matmul", m))
-    tables = _embedding_tables(ag.gm, params)
-    for p in tables:
-        for key in (_module_of(ag, index[p], "lookup"), ag.names[index[p]]):
-            names.setdefault(key, []).append(("lookup", p))
-    for p in params:   # norms and other readers: a pattern may name them, to replicate (as they are)
-        for kind, module in ag.modules[index[p]].items():
-            names.setdefault(module, []).append((kind, p))
-        names.setdefault(ag.names[index[p]], []).append(("other", p))
-    fixed, fixed_tables = {}, {}
-    for module, (value, pattern) in plan.decisions(names).items():
-        for kind, obj in names[module]:
-            if kind == "matmul" and isinstance(obj, WeightMatmul):
-                fixed[obj.node] = (value, pattern, module)
-            elif kind == "lookup" and obj in tables:
-                if value in ("colwise", "rowwise"):
-                    raise ValueError(f"{plan.source}: {pattern!r} asks {value} for {module}, an embedding "
-                                     "table: a table is 'vocab' (split by rows) or 'replicate'")
-                fixed_tables[obj] = (value, pattern, module)
-            elif value != "replicate" and not any(k in ("matmul", "lookup") for k, _ in names[module]):
-                raise ValueError(f"{plan.source}: {pattern!r} asks {value} for {module}, which is neither a "
-                                 "projection nor an embedding table here: only 'replicate' applies to it")
-    return fixed, fixed_tables
-
-
-def _apply_fixed(plan, fixed, matmuls, names, excluded, reasons, no_lm_head) -> tuple[set, set, set]:
-    """Blocks the plan shards (by row), LM heads it shards, column projections it replicates; blocks it
-    replicates join ``excluded``. Decisions the dataflow cannot honour are errors."""
-    forced, forced_lm, forced_rep = set(), set(), set()
-    if not fixed:
-        return forced, forced_lm, forced_rep
-    in_block = set()
-    for row, cols in find_blocks(matmuls, set()):
-        in_block |= {row.node, *(c.node for c in cols)}
-        module = _module([names[m.param] for m in [*cols, row]])
-        r = fixed.get(row.node)
-        if r and r[0] in ("colwise", "vocab"):
-            raise ValueError(f"{plan.source}: {r[1]!r} asks {r[0]} for {r[2]}, the output projection of "
-                             f"{module}: its input is split along the features by the block's column "
-                             "projections, so it is 'rowwise' (or 'replicate', with its whole block)")
-        for c in cols:
-            v = fixed.get(c.node)
-            if v and v[0] in ("rowwise", "vocab"):
-                raise ValueError(f"{plan.source}: {v[1]!r} asks {v[0]} for {v[2]}, which reads {module}'s "
-                                 "replicated input: it is 'colwise' (or 'replicate')")
-        col_values = [fixed[c.node][0] for c in cols if c.node in fixed]
-        if (r and r[0] == "replicate") or (len(col_values) == len(cols) and set(col_values) == {"replicate"}):
-            excluded |= {row.node, *(c.node for c in cols)}
-            why = r or next(fixed[c.node] for c in cols)
-            kind = "attention" if _has_attention(row, cols) else "mlp"
-            reasons[row.node] = (kind, module, f"replicated by {plan.source} ({why[1]!r})")
+        if m.node not in state.forced_lm and (m.node in paired or m.node in state.no_lm_head or policy == "never"
+                                              or m.out_features < 2 * m.in_features or not reaches_output(m.node)):
             continue
-        forced_rep |= {c.node for c in cols if fixed.get(c.node, ("",))[0] == "replicate"}
-        if r or col_values:
-            forced.add(row.node)
-    for m in matmuls:
-        v = fixed.get(m.node)
-        if m.node in in_block or v is None:
+        sets = _column_sets(m, sockets)
+        if sets is None:
             continue
-        if v[0] == "colwise":
-            if m.out_features < 2 * m.in_features or not _reaches_output(m.node):
-                raise ValueError(f"{plan.source}: {v[1]!r} asks colwise for {v[2]}, which is in no attention "
-                                 "or MLP block: outside a block numatp splits only an LM head (a projection "
-                                 "that widens to the output)")
-            forced_lm.add(m.node)
-        elif v[0] == "replicate":
-            no_lm_head.add(m.node)
-        else:
-            raise ValueError(f"{plan.source}: {v[1]!r} asks {v[0]} for {v[2]}, which is in no attention or "
-                             "MLP block: nothing before it splits its input")
-    return forced, forced_lm, forced_rep
+        column_sets[m.node] = (len(members), sets)
+        lm_heads.add(m.node)
+        members.append((None, [m], []))
+    return Round(members, column_sets, rows, lm_heads, grouped_ids)
 
 
-def _decisions(ag: AtenGraph, placeholders, matmuls, tables) -> dict[str, str]:
-    """Each projection's and embedding table's decision in the tp_plan vocabulary, by module."""
-    index = {p: i for i, p in enumerate(placeholders)}
-    out: dict[str, str] = {}
-    for m in matmuls:
-        role = m.node.meta["numatp"].role
-        out[_module_of(ag, index[m.param], "matmul")] = ("colwise" if role in ("column", "lm_head") else
-                                                         "rowwise" if role == "row" else "replicate")
-    for p, (sharded, _) in tables.items():
-        out[_module_of(ag, index[p], "lookup")] = "vocab" if sharded else "replicate"
-    return out
+def _relax(state: PlanState, rnd: Round, conflict: Conflict, sockets: int, names: dict[torch.fx.Node, str],
+           fixed: dict, plan: TpPlan | None) -> None:
+    """Give up one decision of the block ``conflict`` names, in this order: split it along its K/V groups,
+    replicate its narrower column projections, replicate the block (or leave the LM head whole). A block
+    the tp_plan shards is an error instead, unless splitting along the groups may still honour it."""
+    row, cols, _ = rnd.members[conflict.block]
+    module = block_module([names[m.param] for m in [*cols, *([row] if row else [])]])
+    regroup = conflict.groups is not None and row is not None and row.node not in state.grouped
+    can_group = regroup and group_head_sets(conflict.groups[0], *conflict.groups, sockets) is not None
+    if (row is None and cols[0].node in state.forced_lm) or (row is not None and row.node in state.forced):
+        if not can_group:
+            key = cols[0].node if row is None else row.node
+            value, pattern = (fixed.get(key) or next(fixed[m.node] for m in cols if m.node in fixed))[:2]
+            raise ValueError(f"{plan.source}: {pattern!r} asks {value} in {module}, which the pass cannot "
+                             f"shard: {conflict.reason}")
+    if can_group:
+        state.grouped[row.node] = conflict.groups
+        return
+    if regroup:
+        reason = Reason("kv_groups", module=module, sockets=sockets, sizes=conflict.groups, op=conflict.op)
+    else:
+        reason = Reason(conflict.kind, module=module, sockets=sockets, op=conflict.op, detail=conflict.reason)
+    if row is None:
+        state.no_lm_head.add(cols[0].node)
+        state.replicated[cols[0].node] = ("lm_head", reason)
+    elif row.node not in state.narrowed and len({c.out_features for c in cols}) > 1:
+        state.narrowed.add(row.node)
+    else:
+        state.excluded |= {row.node, *(c.node for c in cols)}
+        state.replicated[row.node] = ("attention" if has_attention(row, cols) else "mlp", reason)
 
 
-def _embedding_tables(gm: torch.fx.GraphModule, params: set[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
-    """Each 2-D parameter that ``aten.embedding`` looks up, with its lookups."""
-    tables: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-    for n in gm.graph.nodes:
-        if n.target is _EMBEDDING and n.args[0] in params and n.args[0].meta["val"].dim() == 2:
-            tables.setdefault(n.args[0], []).append(n)
-    return tables
-
-
-def _shard_vocabulary(gm, params, names, column_sets, by_node, sockets, fixed=None,
-                      source="plan") -> dict[torch.fx.Node, tuple[bool, str]]:
-    """Make the largest embedding table vocabulary-parallel: socket r holds a contiguous range of its rows,
-    looks up the ids in that range (zeros elsewhere), and one all-reduce sums the lookups. A tied LM head
-    keeps its own column sets and the table takes the same ones, so both read one shard. ``fixed``: the
-    plan's ``(value, pattern, module)`` per table, which chooses the table ("vocab") or none ("replicate").
-    Returns every table with (sharded, why)."""
-    tables = _embedding_tables(gm, params)
-    if not tables:
-        return {}
-    fixed = fixed or {}
-    chosen = [p for p, v in fixed.items() if v[0] == "vocab"]
-    vocab = chosen[0] if chosen else max(tables, key=lambda p: p.meta["val"].numel())
-    out: dict[torch.fx.Node, tuple[bool, str]] = {}
-    if vocab in fixed and fixed[vocab][0] == "replicate":
-        for p in tables:
-            out[p] = (False, f"replicated by {source} ({fixed[p][1]!r})" if p in fixed else "replicated")
-        return out
-    for p in tables:
-        if p in fixed and p is not vocab:
-            out[p] = (False, f"replicated by {source} ({fixed[p][1]!r})")
-        elif p is not vocab:
-            rows, width = p.meta["val"].shape
-            out[p] = (False, f"small table ({rows} x {width}) beside the {tuple(vocab.meta['val'].shape)} "
-                             "vocabulary: replicated, sharding it would add an all-reduce for little memory")
-    rows = vocab.meta["val"].shape[0]
-    heads = [m for m in by_node.values() if m.param is vocab and m.node in column_sets]
-    sets = (column_sets[heads[0].node][1] if heads
-            else even_split(rows, sockets, 16 if rows % (16 * sockets) == 0 else 1))
-    if rows < sockets or any(len(s.intervals) != 1 for s in sets):
-        why = f"{rows} rows cannot be split into one contiguous range per socket over {sockets} sockets"
-        if vocab in fixed:
-            raise ValueError(f"{source}: {fixed[vocab][1]!r} asks vocab for {fixed[vocab][2]}, but {why}")
-        out[vocab] = (False, why)
-        return out
-    for n in tables[vocab]:
-        n.meta["numatp"].role = "vocab"
-        n.meta["numatp"].vocab_sets = sets
-    readers = replica_users(vocab, by_node)
-    if readers and vocab in fixed:
-        raise ValueError(f"{source}: {fixed[vocab][1]!r} asks vocab for {fixed[vocab][2]}, but "
-                         f"{readers[0].target} ({readers[0].name}) reads the whole table (a tied LM head left "
-                         "replicated?): split that reader too, or replicate the table")
-    if readers:   # e.g. a tied LM head the pass left replicated: the whole table is on every socket anyway
-        for n in tables[vocab]:
-            n.meta["numatp"].role, n.meta["numatp"].vocab_sets = None, None
-        out[vocab] = (False, f"read whole by {readers[0].target} ({readers[0].name}): replicated")
-        return out
-    ranges = ", ".join(f"{s.intervals[0][0]}:{s.intervals[0][1]}" for s in sets)
-    out[vocab] = (True, f"vocabulary-parallel: rows {ranges} per socket, lookups summed by one all-reduce"
-                        + ("; the same shards as the tied LM head" if heads else ""))
-    return out
-
-
-def _auto(blocks, names, sockets, decide, accepted, reasons) -> tuple[str, dict[str, float] | None]:
-    """'always' or 'never' for the whole graph from the decider's per-block predictions, and the
-    predicted seconds of the weighed blocks per choice (None when no block could be sharded)."""
+def _auto(blocks, names, sockets, decide, state: PlanState) -> str:
+    """'always' or 'never' for the whole graph from the decider's per-block predictions; into ``state``
+    the predicted seconds of the weighed blocks per choice (None when no block could be sharded) and
+    each block's words: why it is sharded, or why it stays unsharded."""
     preds = []
     for row, cols in blocks:
-        module = _module([names[m.param] for m in [*cols, row]])
+        module = block_module([names[m.param] for m in [*cols, row]])
         cand = _candidate(row, cols, module)
         times, why = decide(cand, sockets)
         preds.append((row, cand, module, times, why))
     sharded = sum(t["sharded"] for *_, t, _ in preds)
     unsharded = sum(t["unsharded"] for *_, t, _ in preds)
     shard = bool(preds) and sharded < unsharded
-    total = f"graph predicted {1e3 * sharded:.1f} ms sharded vs {1e3 * unsharded:.1f} ms unsharded"
+    state.predicted = {"sharded": sharded, "unsharded": unsharded} if preds else None
     for row, cand, module, times, why in preds:
         if shard:
-            accepted[row.node] = f"{why}; {total}"
+            state.accepted[row.node] = why
         else:
-            reasons[row.node] = (cand.kind, module, f"{why}; {total}: the graph stays unsharded")
-    return ("always" if shard else "never"), ({"sharded": sharded, "unsharded": unsharded} if preds else None)
-
-
-def _reaches_output(node: torch.fx.Node) -> bool:
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        if n.op == "output":
-            return True
-        if n in seen or (n is not node and n.target in (aten.mm.default, aten.addmm.default)):
-            continue
-        seen.add(n)
-        todo.extend(n.users)
-    return False
-
-
-def _has_attention(row: WeightMatmul, cols: list[WeightMatmul]) -> bool:
-    stops = {c.node for c in cols}
-    todo, seen = [row.x], set()
-    while todo:
-        n = todo.pop()
-        if n in seen or n in stops:
-            continue
-        seen.add(n)
-        if n.target in _ATTENTION_MARKS:
-            return True
-        todo.extend(n.all_input_nodes)
-    return False
+            state.replicated[row.node] = (cand.kind, Reason("cost", module=module, sockets=sockets, cost=why,
+                                                            predicted_ms=(1e3 * sharded, 1e3 * unsharded)))
+    return "always" if shard else "never"
 
 
 def _candidate(row: WeightMatmul, cols: list[WeightMatmul], module: str) -> BlockCandidate:
     ms = [row, *cols]
     itemsize = row.param.meta["val"].element_size()
     return BlockCandidate(
-        kind="attention" if _has_attention(row, cols) else "mlp", module=module,
+        kind="attention" if has_attention(row, cols) else "mlp", module=module,
         tokens=int(row.x.meta["val"].shape[0]), hidden=row.out_features, inner=row.in_features,
         weight_bytes=sum(m.param.meta["val"].numel() for m in ms) * itemsize, itemsize=itemsize,
     )
 
 
-def replica_users(param: torch.fx.Node, by_node: dict[torch.fx.Node, WeightMatmul],
-                  infos: dict | None = None) -> list[torch.fx.Node]:
-    """Users of a parameter that read it whole: everything but sharded matmuls, their transposes and
-    vocabulary-parallel lookups (the decisions from ``infos``, a plan's per-node record, or else from the
-    graph being planned)."""
-    def sharded_use(u: torch.fx.Node) -> bool:
-        info = infos[u] if infos is not None else u.meta["numatp"]
-        if (u in by_node or u.target is _EMBEDDING) and info.role:
-            return True
-        return u.target in TRANSPOSE_OPS and all(sharded_use(v) for v in u.users)
-    return [u for u in param.users if not sharded_use(u)]
-
-
-def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_node, tables, decisions,
-            replicated_by) -> Plan:
+def _schema(gm, sockets, members, state: PlanState, names, params, by_node, tables, decisions,
+            by_plan: dict[torch.fx.Node, tuple[str, str]]) -> Plan:
+    """The schema of the annotated graph: blocks with their reasons, each parameter's placements."""
     kinds: dict[int, str] = {}
     gathers = 0
     for node in gm.graph.nodes:
         info = node.meta["numatp"]
-        if node.target in _ATTENTION_MARKS:
+        if node.target in ATTENTION_MARKS:
             lay = [a.meta["numatp"].layout for a in node.all_input_nodes]
             for l in lay:
                 if isinstance(l, Shard):
@@ -480,22 +299,22 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
     for bid, (row, split, rep) in enumerate(members):
         ms = [m for m in [*split, *rep, row] if m is not None]
         in_block |= {m.node for m in ms}
-        module = _module([names[m.param] for m in ms])
+        module = block_module([names[m.param] for m in ms])
         if row is None:
-            kind, reason = "lm_head", "column-parallel over the vocabulary, then gathered"
+            kind, reason = "lm_head", Reason("vocab_columns", module=module, sockets=sockets)
         else:
             kind = kinds.get(bid, "mlp")
-            few = [names[c.param] for c in rep if c.node not in replicated_by]
-            reason = "column/row parallel" + (f"; {', '.join(few)} replicated: too few heads to split" if few else "")
-            reason += "".join(f"; {names[c.param]} replicated {replicated_by[c.node]}" for c in rep
-                              if c.node in replicated_by)
-            if row.node in accepted:
-                reason += f"; {accepted[row.node]}"
+            reason = Reason("column_row", module=module, sockets=sockets,
+                            replicated=tuple(names[c.param] for c in rep if c.node not in by_plan),
+                            source=next((by_plan[c.node][0] for c in rep if c.node in by_plan), ""),
+                            by_plan=tuple((names[c.param], by_plan[c.node][1]) for c in rep if c.node in by_plan),
+                            cost=state.accepted.get(row.node, ""),
+                            predicted_ms=state.predicted_ms if row.node in state.accepted else None)
         blocks.append(Block(kind, module, tuple(names[c.param] for c in split),
                             names[row.param] if row else None, True, reason,
                             tuple(names[c.param] for c in rep)))
-    for node, (kind, module, why) in reasons.items():
-        blocks.append(Block(kind, module, (), names[by_node[node].param], False, why))
+    for node, (kind, why) in state.replicated.items():
+        blocks.append(Block(kind, why.module, (), names[by_node[node].param], False, why))
     for p, (sharded, why) in tables.items():
         name = names[p]
         blocks.append(Block("embedding", name.rsplit(".", 1)[0], (name,) if sharded else (), None, sharded, why))
