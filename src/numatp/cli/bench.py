@@ -75,12 +75,10 @@ def _validate_models(models: list[str], tiny: bool, decode: int = 0) -> None:
     if decode < 0:
         raise SystemExit(f"numatp bench: --decode {decode}: pass the number of tokens to generate (>= 1), or 0")
     for model in models:
-        is_preset = model in zoo.PRESETS
-        if not is_preset and not (Path(model) / "config.json").is_file():
-            raise SystemExit(
-                f"numatp bench: --model {model!r} is neither a preset ({', '.join(zoo.PRESETS)}) nor a folder "
-                "holding a Hugging Face config.json; pass a preset name or such a folder"
-            )
+        try:
+            is_preset = zoo.resolve(model).preset is not None
+        except ValueError as e:
+            raise SystemExit(f"numatp bench: --model {e}") from e
         if tiny and not is_preset:
             raise SystemExit(f"numatp bench: --tiny shrinks presets only, and {model!r} is a checkpoint folder; "
                              "drop --tiny or pass presets")

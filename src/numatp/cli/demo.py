@@ -53,7 +53,22 @@ def _time(fn, inputs, warmup: int, iters: int) -> list[float]:
     return out
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse bad arguments before torch is imported or a model built."""
+    from numatp import zoo
+
+    for flag, value, low in (("--batch", args.batch, 1), ("--seq", args.seq, 1), ("--sockets", args.sockets, 1),
+                             ("--warmup", args.warmup, 0), ("--iters", args.iters, 1)):
+        if value is not None and value < low:
+            raise SystemExit(f"numatp demo: {flag} {value}: must be >= {low}")
+    if zoo.resolve(args.model).folder is not None and args.tiny:
+        raise SystemExit(f"numatp demo: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
+                         "drop --tiny")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+
     import warnings
 
     import torch
@@ -70,11 +85,7 @@ def run(args: argparse.Namespace) -> int:
           "; ".join(f"socket {s.index} = node {s.node}, CPUs {format_cpulist(s.cpus)}" for s in topo.sockets))
     dtype = getattr(torch, args.dtype)
     _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype}, random weights)")
-    try:
-        model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
-    except MemoryError as e:
-        print(f"numatp demo: {e}", file=sys.stderr)
-        return 2
+    model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
     inputs = zoo.example_inputs(model, batch=args.batch, seq=args.seq)
     with torch.inference_mode():
         expected = model(**inputs).logits

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 __all__ = ["add_parser", "explain"]
 
@@ -144,22 +143,30 @@ def _rate(r: float | None) -> str:
     return "-" if not r else f"{r:.1f}"
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse bad arguments before torch is imported or a model built (tracing takes tens of seconds)."""
+    from numatp import zoo
+
+    for flag, value in (("--sockets", args.sockets), ("--batch", args.batch), ("--seq", args.seq)):
+        if value < 1:
+            raise SystemExit(f"numatp explain: {flag} {value}: must be >= 1")
+    if zoo.resolve(args.model).folder is not None and args.tiny:
+        raise SystemExit(f"numatp explain: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
+                         "drop --tiny")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_args(args)
     tp_plan = args.plan
     if tp_plan not in (None, "hf"):
         try:
             with open(tp_plan) as f:
                 tp_plan = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            print(f"numatp explain: --plan {args.plan}: {e}; pass 'hf' or a JSON file of module patterns to "
-                  "colwise, rowwise, replicate or vocab", file=sys.stderr)
-            return 2
-    try:
-        info = explain(args.model, sockets=args.sockets, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                       policy=args.policy, tiny=args.tiny, gemm=args.gemm, tp_plan=tp_plan)
-    except (ValueError, MemoryError) as e:
-        print(f"numatp explain: {e}", file=sys.stderr)
-        return 2
+            raise SystemExit(f"numatp explain: --plan {args.plan}: {e}; pass 'hf' or a JSON file of module patterns "
+                             "to colwise, rowwise, replicate or vocab") from e
+    info = explain(args.model, sockets=args.sockets, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                   policy=args.policy, tiny=args.tiny, gemm=args.gemm, tp_plan=tp_plan)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
