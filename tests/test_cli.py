@@ -35,6 +35,11 @@ def test_explain_json_lists_blocks_and_reductions(cli):
     assert g["reductions"] == 5 and g["gathers"] == 1
     kinds = sorted(b["kind"] for b in g["blocks"] if b["sharded"])
     assert kinds == ["attention", "attention", "embedding", "lm_head", "mlp", "mlp"]
+    # in the model's order, each row named once: the tied table is traced under the head's name, and its
+    # row names the input embedding instead of a second lm_head
+    assert [b["module"] for b in g["blocks"]] == [
+        "transformer.wte (tied to lm_head)", "transformer.wpe", "transformer.h.0.attn", "transformer.h.0.mlp",
+        "transformer.h.1.attn", "transformer.h.1.mlp", "lm_head"]
     # the tied vocabulary table is split; norms, biases after reductions and positions are replicated
     assert 0.9 < g["sharded_fraction"] < 1.0
     assert sum(g["socket_bytes"]) > g["model_bytes"]  # replicated tensors are counted on each socket
@@ -118,6 +123,19 @@ def test_topo_shows_gemm_ceilings_of_this_cpu(cli, tmp_path):
     assert row == ["float32", "2", "80.0", "70.5", "aten"]
 
 
+def test_explain_orders_layers_as_numbers():
+    from numatp.cli.explain import _layer_order
+
+    names = ["h.10.mlp", "h.2.attn", "h.1.mlp", "h.0.attn", "h.1.attn", "wte"]
+    assert sorted(names, key=_layer_order) == ["h.0.attn", "h.1.attn", "h.1.mlp", "h.2.attn", "h.10.mlp", "wte"]
+
+
+def test_demo_page_counts_have_a_unit():
+    from numatp.cli.demo import _size
+
+    assert (_size(4096), _size(2 << 20), _size(1 << 30), _size(1000)) == ("4 KiB", "2 MiB", "1 GiB", "1000 B")
+
+
 def test_explain_bad_socket_count_is_a_clear_error(cli):
     code, _, err = cli("explain", "gpt2", "--tiny", "--sockets", "9")
     assert code == 2
@@ -133,7 +151,7 @@ def test_demo_runs_baseline_and_numatp_side_by_side():
     assert re.search(r"from sharding over 2 sockets \(sharded / unsharded\): \d+\.\d\dx \(virtual sockets", r.stdout)
     rows = [line for line in r.stdout.splitlines() if line.startswith(("baseline", "numatp unsharded", "numatp sharded"))]
     assert len(rows) == 3, r.stdout
-    assert "socket 1 weights -> node 0" in r.stdout
+    assert re.search(r"socket 1 weights -> node 0: \d+ pages \(\d+ KiB\)", r.stdout)
 
 
 def test_generate_prints_first_token_and_decode_speed(cli):

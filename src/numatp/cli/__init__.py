@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 import traceback
+import warnings
+from typing import TextIO
 
 __all__ = ["build_parser", "main"]
 
@@ -53,9 +55,24 @@ def _fail(command: str, message: str, *, debug: bool, code: int) -> int:
     return code
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: TextIO | None = None, line: str | None = None) -> None:
+    """A warning as its message alone: the file and source line Python adds (``warnings.warn(...)``
+    inside numatp or torch) mean nothing to someone running a command; ``--debug`` keeps them."""
+    text = str(message)
+    print(text if text.startswith("numatp") else f"warning: {text}", file=file or sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = bool(getattr(args, "debug", False))
+    with warnings.catch_warnings():   # restores the caller's showwarning: main is also called in-process
+        if not debug:
+            warnings.showwarning = _show_warning
+        return _run(args, debug)
+
+
+def _run(args: argparse.Namespace, debug: bool) -> int:
     try:
         return int(args.run(args) or 0)
     except SystemExit as e:   # commands raise SystemExit("numatp X: ...") for arguments they refuse

@@ -11,6 +11,7 @@ GEMM-provider gain as a NUMA gain.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -36,6 +37,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--tiny", action="store_true", help="use the shrunken test config (seconds, not minutes)")
     p.set_defaults(run=run)
     return p
+
+
+def _size(nbytes: int) -> str:
+    """``4096`` -> ``"4 KiB"``: a page size in the largest binary unit that divides it."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
 
 
 def _say(msg: str) -> None:
@@ -150,8 +159,9 @@ def run(args: argparse.Namespace) -> int:
     if gather:
         print(f"gather of the column-sharded output: {100 * gather / args.iters / med['sharded']:.1f}% "
               "(each socket copies its columns into the full tensor)")
+    unit = f"pages ({_size(os.sysconf('SC_PAGE_SIZE'))})"   # move_pages counts base pages
     for r in report["ranks"]:
-        pages = ", ".join(f"node {n}: {c}" for n, c in sorted(r["pages"].items()))
+        pages = ", ".join(f"node {n}: {c} {unit}" for n, c in sorted(r["pages"].items()))
         print(f"socket {r['socket']} weights -> {pages}")
     print(f"pages on their socket's own node: {100 * report['local_fraction']:.1f}%"
           + (" (virtual sockets: one node, placement not exercised)" if report["virtual"] else ""))

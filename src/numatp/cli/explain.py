@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 __all__ = ["add_parser", "explain"]
 
@@ -59,6 +60,8 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
     if policy == "auto":
         from numatp.backend import default_decider, resolve_topology
         decide = default_decider(resolve_topology(sockets))
+    # blocks are listed in the model's own order (embeddings, h.0, h.1, ..., h.10, head), not as text
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     for ag, inputs in graphs:
         own = plan_graph(ag, sockets, policy=policy, decide=decide).decisions if given is not None else None
         plan = plan_graph(ag, sockets, policy=policy, decide=decide, plan=given)
@@ -71,10 +74,12 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
                                 "dim": getattr(pl, "dim", None),
                                 "splits": [str(s) for s in pl.splits] if isinstance(pl, (Colwise, Rowwise)) else None})
         sharded_bytes = plan.model_bytes - plan.replicated_bytes
+        blocks = [{"kind": b.kind, "module": _shown_module(model, b.kind, b.module), "sharded": b.sharded,
+                   "columns": list(b.columns), "row": b.row, "replicated_columns": list(b.replicated_columns),
+                   "reason": b.reason} for b in plan.blocks]
         out["graphs"].append({
-            "blocks": [{"kind": b.kind, "module": b.module, "sharded": b.sharded, "columns": list(b.columns),
-                        "row": b.row, "replicated_columns": list(b.replicated_columns), "reason": b.reason}
-                       for b in plan.blocks],
+            "blocks": sorted(blocks, key=lambda b: (order.get(b["module"].split(" ")[0], len(order)),
+                                                    _layer_order(b["module"]), b["kind"])),
             "weights": weights,
             "reductions": plan.reductions, "gathers": plan.gathers,
             "model_bytes": plan.model_bytes, "sharded_fraction": sharded_bytes / max(plan.model_bytes, 1),
@@ -92,6 +97,28 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
             out["graphs"][-1]["gemm"] = _gemm_choices(ag, plan, inputs, sockets, unsharded)
             out["graphs"][-1]["gemm"]["unsharded"] = unsharded
     return out
+
+
+def _layer_order(name: str) -> list:
+    """Sort key that orders ``h.2`` before ``h.10``: digit runs compare as numbers (names the model's
+    module list does not hold, and the replicated tensors)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t]
+
+
+def _shown_module(model, kind: str, module: str) -> str:
+    """The module a block row names. A tied embedding's weight is traced under the LM head's name
+    (one tensor, two modules), so its row would read ``lm_head`` twice: name the input embedding."""
+    if kind != "embedding":
+        return module
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:
+        owner = model.get_submodule(module)
+    except AttributeError:
+        return module
+    if emb is None or owner is emb or getattr(owner, "weight", None) is not getattr(emb, "weight", None):
+        return module
+    name = next((n for n, m in model.named_modules() if m is emb), None)
+    return module if name is None else f"{name} (tied to {module})"
 
 
 def _gemm_choices(ag, plan, inputs: list, sockets: int, unsharded: bool) -> dict:
@@ -183,9 +210,10 @@ def run(args: argparse.Namespace) -> int:
                 detail = f"columns [{cols}]" + (f" -> row {b['row'].rsplit('.', 2)[-2]}" if b["row"] else "") + \
                     f"; {b['reason']}"
             print(f"{b['module']:<36} {b['kind']:<10} {decision:<12} {detail}")
-        rep = sorted({w["name"] for w in g["weights"] if w["placement"] == "Replicate"})
+        rep = sorted({w["name"] for w in g["weights"] if w["placement"] == "Replicate"}, key=_layer_order)
+        owners = list(dict.fromkeys(r.rsplit(".", 1)[0] for r in rep))   # a norm's weight and bias: one module
         print(f"\nreplicated on every socket ({len(rep)} tensors: norms, small embeddings, biases after reductions, "
-              "K/V of too few heads): " + ", ".join(r.rsplit(".", 1)[0] for r in rep[:6]) + (" ..." if len(rep) > 6 else ""))
+              "K/V of too few heads): " + ", ".join(owners[:6]) + (" ..." if len(owners) > 6 else ""))
         print(f"cross-socket reductions: {g['reductions']} all-reduce, {g['gathers']} gather")
         print(f"weights: {g['model_bytes'] / _MIB:.1f} MiB, {100 * g['sharded_fraction']:.1f}% sharded; per socket: "
               + ", ".join(f"{b / _MIB:.1f} MiB" for b in g["socket_bytes"]))

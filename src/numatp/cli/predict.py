@@ -59,6 +59,10 @@ def assumptions(profiles: list[MachineProfile], dtype: str, *, builtin: bool) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        from numatp import zoo
+
+        zoo.resolve(args.model)   # a bad name is refused before the zoo imports transformers
     one = {"--platform": args.platform, "--model": args.model, "--batch": args.batch, "--seq": args.seq}
     if args.paper:
         given = [k for k, v in one.items() if v is not None]
