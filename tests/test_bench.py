@@ -336,3 +336,29 @@ def test_report_shows_decode_rates_against_the_baseline(tmp_path: Path) -> None:
     assert "| gpt2 | float32 | 1 | 128 | 64 | 20.0 (500) | 25.0 (400, 1.25x) |" in summary
     if importlib.util.find_spec("matplotlib") is not None:
         assert tmp_path / "decode.png" in written
+
+
+def test_bench_prints_its_results_table_when_it_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # the sweep itself is replaced by the fixture's lines: what is tested is what the command prints after it
+    import numatp.bench
+    from numatp.bench.sweep import SweepCounts
+
+    shutil.copy(FIXTURE, tmp_path / RESULTS)
+    monkeypatch.setattr(numatp.bench, "run_sweep", lambda configs, out, **kw: SweepCounts(ok=len(configs)))
+    assert main(["bench", "--quick", "--no-report", "--no-progress", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Mean prefill time per call, ms (x: speedup over the baseline)" in out
+    gpt2 = next(line.split() for line in out.splitlines() if line.startswith("gpt2") and " 1  1024 " in line)
+    assert gpt2[:4] == ["gpt2", "float32", "1", "1024"] and gpt2[5:7] == ["2.21", "(1.85x)"]
+    assert re.search(r"^numatp\s+1\.44x\s+1\.47x\s+1/16$", out, re.MULTILINE)
+    assert "Table IV" in out and "arXiv:2611.07105" in out
+
+
+def test_summary_cites_the_paper_where_it_names_its_tables(tmp_path: Path) -> None:
+    from numatp.cost.paper import CITATION
+
+    summary = write_report(FIXTURE, tmp_path)[-1].read_text()
+    assert "NUMA-Torch: Compiler-Driven NUMA-Aware LLM Prefill on Multi-Socket CPUs" in CITATION
+    assert CITATION in summary and "https://arxiv.org/abs/2611.07105" in summary
+    assert summary.index(CITATION) < summary.index("Table IV") and "Fig. 7-9" in summary

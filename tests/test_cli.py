@@ -183,3 +183,29 @@ def test_generate_refuses_text_without_a_tokenizer(cli):
     assert code == 2 and "--prompt needs a checkpoint folder with a tokenizer" in err and "--prompt-len" in err
     code, _, err = cli("generate", "gpt2", "--tiny", "--prompt-bucket", "0")
     assert code == 2 and "--prompt-bucket 0: must be >= 1" in err
+
+
+def test_predict_says_which_profile_and_kernels_its_times_assume(cli):
+    code, out, err = cli("predict", "--platform", "haswell-2s", "--model", "gpt2", "--batch", "1", "--seq", "128")
+    assert code == 0, err
+    line = out.strip().splitlines()[-1]
+    assert "built-in profile haswell-2s" in line and "Triton-CPU" in line and "arXiv:2611.07105" in line
+    assert re.search(r"at 9\.2 GFLOP/s per socket in float32, 2% of the peak", line)
+
+
+def test_calibrate_profiles_the_sockets_the_other_commands_run(cli, monkeypatch):
+    from numatp.bench.machine import resolve_ranks
+    from numatp.cost import calibrate
+    from numatp.topology import Topology
+
+    seen = []
+
+    def measured(topo, **kw):
+        seen.append(topo)
+        raise ValueError("stop before measuring")
+
+    monkeypatch.setattr(calibrate, "measure_profile", measured)
+    code, _, err = cli("calibrate", "--quick")
+    assert code == 2 and "stop before measuring" in err
+    expected = resolve_ranks(None, Topology.detect())
+    assert [s.cpus for s in seen[0].sockets] == [s.cpus for s in expected.sockets]

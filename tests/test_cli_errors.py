@@ -157,3 +157,12 @@ def test_help_starts_fast():
     elapsed = time.perf_counter() - start
     assert r.returncode == 0 and "usage: numatp" in r.stdout
     assert elapsed < 10, f"numatp --help took {elapsed:.1f} s"
+
+
+def test_a_warning_is_its_message_without_a_source_line():
+    # a sysfs root without a node folder: Topology.detect warns and assumes one node
+    code, _, _, err = _run("topo", "--sysfs-root", "/nonexistent")
+    assert code == 0
+    assert err.startswith("warning: /nonexistent/devices/system/node does not exist") and len(err.splitlines()) == 1
+    code, _, _, err = _run("--debug", "topo", "--sysfs-root", "/nonexistent")
+    assert code == 0 and "UserWarning" in err and "Topology.detect(" in err   # --debug keeps where it came from
