@@ -72,6 +72,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if source.folder is not None and args.tiny:
         raise SystemExit(f"numatp generate: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
                          "drop --tiny")
+    if not zoo.can_generate(args.model, tiny=args.tiny):   # reads the config only: nothing is built
+        decoders = ", ".join(p for p in zoo.PRESETS if not p.startswith("bert"))
+        raise SystemExit(f"numatp generate: {args.model!r} is an encoder (a masked LM), which does not generate "
+                         f"text; pass a decoder ({decoders}) or use `numatp demo --model {args.model}` for its prefill")
     if args.prompt is None:
         return None
     if source.folder is None:
