@@ -166,3 +166,18 @@ def test_a_warning_is_its_message_without_a_source_line():
     assert err.startswith("warning: /nonexistent/devices/system/node does not exist") and len(err.splitlines()) == 1
     code, _, _, err = _run("--debug", "topo", "--sysfs-root", "/nonexistent")
     assert code == 0 and "UserWarning" in err and "Topology.detect(" in err   # --debug keeps where it came from
+
+
+def test_the_package_loads_its_names_on_first_use():
+    # `import numatp` imports no torch; each public name is there on first use, and `numatp.generate` is the
+    # function even when the submodule of that name was imported first
+    code = ("import sys, types, numatp\n"
+            "assert 'torch' not in sys.modules\n"
+            "from numatp.generate import generate_timed\n"
+            "assert callable(numatp.generate) and not isinstance(numatp.generate, types.ModuleType)\n"
+            "assert numatp.generate.__module__ == 'numatp.generate'\n"
+            "assert all(getattr(numatp, n) is not None for n in numatp.__all__)\n"
+            "assert callable(numatp.backend.backend_of)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": SRC})
+    assert r.returncode == 0, r.stderr

@@ -8,6 +8,8 @@ attention and MLP block.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,7 +27,7 @@ __version__ = "0.1.0"
 # and `numatp topo` start without importing torch (seconds); `import numatp` stays as cheap.
 _LAZY: dict[str, str] = {
     "compile": "numatp.backend", "placement_report": "numatp.backend", "plans": "numatp.backend",
-    "generate": "numatp.generate", "membind": "numatp.placement", "numa_clone": "numatp.placement",
+    "membind": "numatp.placement", "numa_clone": "numatp.placement",
     "pages_by_node": "numatp.placement", "GemmOptions": "numatp.plan.gemm_pass", "Topology": "numatp.topology",
 }
 
@@ -46,3 +48,23 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """``numatp.generate`` is a submodule and the function it defines. Importing the submodule (``from
+    numatp.generate import generate_timed``) binds the module to the package's name; the function is what
+    ``numatp.generate`` means, whichever was imported first."""
+
+    @property
+    def generate(self) -> Any:
+        value = self.__dict__.get("generate")
+        if value is None or isinstance(value, types.ModuleType):
+            from numatp.generate import generate as value
+        return value
+
+    @generate.setter
+    def generate(self, value: Any) -> None:
+        self.__dict__["generate"] = value   # the submodule too: the getter looks through it
+
+
+sys.modules[__name__].__class__ = _Package

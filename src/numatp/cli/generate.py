@@ -57,8 +57,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "senten
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
-    """Refuse bad arguments before torch is imported or a model built; returns the checkpoint folder that
-    ``--prompt`` reads its tokenizer from (None without ``--prompt``)."""
+    """Refuse bad arguments before a model is built (names, paths and values before torch is even imported);
+    returns the checkpoint folder that ``--prompt`` reads its tokenizer from (None without ``--prompt``)."""
     from numatp import zoo
 
     for flag, value, rule in (("--new-tokens", args.new_tokens, "must be >= 1"),
@@ -72,20 +72,20 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if source.folder is not None and args.tiny:
         raise SystemExit(f"numatp generate: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
                          "drop --tiny")
-    if not zoo.can_generate(args.model, tiny=args.tiny):   # reads the config only: nothing is built
+    if args.prompt is not None:
+        if source.folder is None:
+            raise SystemExit(f"numatp generate: --prompt needs a checkpoint folder with a tokenizer; {args.model!r} "
+                             "is a preset (random weights, no tokenizer): use --prompt-len N")
+        if not any((source.folder / f).is_file() for f in _TOKENIZER_FILES) and \
+                not any(source.folder.glob("*.tiktoken")):
+            raise SystemExit(f"numatp generate: --prompt needs a tokenizer, and {args.model} has no tokenizer files "
+                             f"(none of {', '.join(_TOKENIZER_FILES)}); save one beside the model "
+                             "(tokenizer.save_pretrained(folder)), or use --prompt-len N for a random prompt")
+    if not zoo.can_generate(args.model, tiny=args.tiny):   # reads the config (imports transformers), builds nothing
         decoders = ", ".join(p for p in zoo.PRESETS if not p.startswith("bert"))
         raise SystemExit(f"numatp generate: {args.model!r} is an encoder (a masked LM), which does not generate "
                          f"text; pass a decoder ({decoders}) or use `numatp demo --model {args.model}` for its prefill")
-    if args.prompt is None:
-        return None
-    if source.folder is None:
-        raise SystemExit(f"numatp generate: --prompt needs a checkpoint folder with a tokenizer; {args.model!r} is a "
-                         "preset (random weights, no tokenizer): use --prompt-len N")
-    if not any((source.folder / f).is_file() for f in _TOKENIZER_FILES) and not any(source.folder.glob("*.tiktoken")):
-        raise SystemExit(f"numatp generate: --prompt needs a tokenizer, and {args.model} has no tokenizer files "
-                         f"(none of {', '.join(_TOKENIZER_FILES)}); save one beside the model "
-                         "(tokenizer.save_pretrained(folder)), or use --prompt-len N for a random prompt")
-    return str(source.folder)
+    return None if args.prompt is None else str(source.folder)
 
 
 def run(args: argparse.Namespace) -> int:
