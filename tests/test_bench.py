@@ -211,13 +211,21 @@ def test_numactl_equivalents(machine: Topology) -> None:
     assert choose_mechanism("auto") == ("numactl" if shutil.which("numactl") else "syscall")
 
 
-def test_bad_values_are_named() -> None:
+def _refused(capsys: pytest.CaptureFixture[str], argv: list[str], pattern: str) -> None:
+    """``numatp ARGV`` fails with exit code 2 and one line on stderr that matches ``pattern``."""
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(pattern, err), err
+
+
+def test_bad_values_are_named(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ValueError, match=r"mode 'fast' is not one of baseline"):
         Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="fast", sockets=2)
     with pytest.raises(ValueError, match=r"batch=0 must be at least 1"):
         Config(model="gpt2", batch=0, seq=16, dtype="float32", mode="baseline", sockets=2)
-    with pytest.raises(SystemExit, match=r"--model 'no-such-model' is neither a preset"):
-        main(["bench", "--model", "no-such-model", "--out", "/nonexistent"])
+    _refused(capsys, ["bench", "--model", "no-such-model", "--out", "/nonexistent"],
+             r"numatp bench: --model unknown model 'no-such-model'")
 
 
 # -- report, from the fixture -------------------------------------------------------------------
@@ -289,9 +297,8 @@ def test_report_without_matplotlib(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert "pip install 'numatp[plot]'" in summary and re.search(r"\| numatp \| \d+\.\d\dx", summary)
 
 
-def test_report_names_a_missing_folder(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match=r"does not exist; run `numatp bench --out"):
-        main(["report", str(tmp_path / "nothing")])
+def test_report_names_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(capsys, ["report", str(tmp_path / "nothing")], r"does not exist; run `numatp bench --out")
 
 
 def test_decode_sweep_records_first_token_and_tokens_per_second(tmp_path: Path, machine: Topology) -> None:
@@ -307,11 +314,10 @@ def test_decode_sweep_records_first_token_and_tokens_per_second(tmp_path: Path, 
     assert d["tokens_per_s"] == pytest.approx(statistics.median(2 / x["decode_s"] for x in d["runs"]))
 
 
-def test_decode_sweep_refuses_encoders_and_negative_counts() -> None:
-    with pytest.raises(SystemExit, match="bert-small.*encoder"):
-        main(["bench", "--tiny", "--model", "gpt2", "bert-small", "--decode", "4", "--no-progress"])
-    with pytest.raises(SystemExit, match="--decode -1"):
-        main(["bench", "--tiny", "--model", "gpt2", "--decode", "-1", "--no-progress"])
+def test_decode_sweep_refuses_encoders_and_negative_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(capsys, ["bench", "--tiny", "--model", "gpt2", "bert-small", "--decode", "4", "--no-progress"],
+             "bert-small.*encoder")
+    _refused(capsys, ["bench", "--tiny", "--model", "gpt2", "--decode", "-1", "--no-progress"], "--decode -1")
     with pytest.raises(ValueError, match="decode=-2"):
         Config(model="gpt2", batch=1, seq=8, dtype="float32", mode="numatp", sockets=2, decode=-2)
 
@@ -330,3 +336,29 @@ def test_report_shows_decode_rates_against_the_baseline(tmp_path: Path) -> None:
     assert "| gpt2 | float32 | 1 | 128 | 64 | 20.0 (500) | 25.0 (400, 1.25x) |" in summary
     if importlib.util.find_spec("matplotlib") is not None:
         assert tmp_path / "decode.png" in written
+
+
+def test_bench_prints_its_results_table_when_it_ends(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    # the sweep itself is replaced by the fixture's lines: what is tested is what the command prints after it
+    import numatp.bench
+    from numatp.bench.sweep import SweepCounts
+
+    shutil.copy(FIXTURE, tmp_path / RESULTS)
+    monkeypatch.setattr(numatp.bench, "run_sweep", lambda configs, out, **kw: SweepCounts(ok=len(configs)))
+    assert main(["bench", "--quick", "--no-report", "--no-progress", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Mean prefill time per call, ms (x: speedup over the baseline)" in out
+    gpt2 = next(line.split() for line in out.splitlines() if line.startswith("gpt2") and " 1  1024 " in line)
+    assert gpt2[:4] == ["gpt2", "float32", "1", "1024"] and gpt2[5:7] == ["2.21", "(1.85x)"]
+    assert re.search(r"^numatp\s+1\.44x\s+1\.47x\s+1/16$", out, re.MULTILINE)
+    assert "Table IV" in out and "arXiv:2611.07105" in out
+
+
+def test_summary_cites_the_paper_where_it_names_its_tables(tmp_path: Path) -> None:
+    from numatp.cost.paper import CITATION
+
+    summary = write_report(FIXTURE, tmp_path)[-1].read_text()
+    assert "NUMA-Torch: Compiler-Driven NUMA-Aware LLM Prefill on Multi-Socket CPUs" in CITATION
+    assert CITATION in summary and "https://arxiv.org/abs/2611.07105" in summary
+    assert summary.index(CITATION) < summary.index("Table IV") and "Fig. 7-9" in summary

@@ -40,6 +40,11 @@ def test_explain_json_lists_blocks_and_reductions(cli):
     assert reasons == [("attention", "column_row")] * 2 + [("embedding", "small_table"), ("embedding", "vocab_rows"),
                                                            ("lm_head", "vocab_columns")] + [("mlp", "column_row")] * 2
     assert all(isinstance(b["reason"], str) and b["reason"] for b in g["blocks"])
+    # in the model's order, each row named once: the tied table is traced under the head's name, and its
+    # row names the input embedding instead of a second lm_head
+    assert [b["module"] for b in g["blocks"]] == [
+        "transformer.wte (tied to lm_head)", "transformer.wpe", "transformer.h.0.attn", "transformer.h.0.mlp",
+        "transformer.h.1.attn", "transformer.h.1.mlp", "lm_head"]
     # the tied vocabulary table is split; norms, biases after reductions and positions are replicated
     assert 0.9 < g["sharded_fraction"] < 1.0
     assert sum(g["socket_bytes"]) > g["model_bytes"]  # replicated tensors are counted on each socket
@@ -132,6 +137,19 @@ def test_topo_shows_gemm_ceilings_of_this_cpu(cli, tmp_path):
     assert row == ["float32", "2", "80.0", "70.5", "aten"]
 
 
+def test_explain_orders_layers_as_numbers():
+    from numatp.cli.explain import _layer_order
+
+    names = ["h.10.mlp", "h.2.attn", "h.1.mlp", "h.0.attn", "h.1.attn", "wte"]
+    assert sorted(names, key=_layer_order) == ["h.0.attn", "h.1.attn", "h.1.mlp", "h.2.attn", "h.10.mlp", "wte"]
+
+
+def test_demo_page_counts_have_a_unit():
+    from numatp.cli.demo import _size
+
+    assert (_size(4096), _size(2 << 20), _size(1 << 30), _size(1000)) == ("4 KiB", "2 MiB", "1 GiB", "1000 B")
+
+
 def test_explain_bad_socket_count_is_a_clear_error(cli):
     code, _, err = cli("explain", "gpt2", "--tiny", "--sockets", "9")
     assert code == 2
@@ -147,7 +165,7 @@ def test_demo_runs_baseline_and_numatp_side_by_side():
     assert re.search(r"from sharding over 2 sockets \(sharded / unsharded\): \d+\.\d\dx \(virtual sockets", r.stdout)
     rows = [line for line in r.stdout.splitlines() if line.startswith(("baseline", "numatp unsharded", "numatp sharded"))]
     assert len(rows) == 3, r.stdout
-    assert "socket 1 weights -> node 0" in r.stdout
+    assert re.search(r"socket 1 weights -> node 0: \d+ pages \(\d+ KiB\)", r.stdout)
 
 
 def test_generate_prints_first_token_and_decode_speed(cli):
@@ -179,3 +197,29 @@ def test_generate_refuses_text_without_a_tokenizer(cli):
     assert code == 2 and "--prompt needs a checkpoint folder with a tokenizer" in err and "--prompt-len" in err
     code, _, err = cli("generate", "gpt2", "--tiny", "--prompt-bucket", "0")
     assert code == 2 and "--prompt-bucket 0: must be >= 1" in err
+
+
+def test_predict_says_which_profile_and_kernels_its_times_assume(cli):
+    code, out, err = cli("predict", "--platform", "haswell-2s", "--model", "gpt2", "--batch", "1", "--seq", "128")
+    assert code == 0, err
+    line = out.strip().splitlines()[-1]
+    assert "built-in profile haswell-2s" in line and "Triton-CPU" in line and "arXiv:2611.07105" in line
+    assert re.search(r"at 9\.2 GFLOP/s per socket in float32, 2% of the peak", line)
+
+
+def test_calibrate_profiles_the_sockets_the_other_commands_run(cli, monkeypatch):
+    from numatp.bench.machine import resolve_ranks
+    from numatp.cost import calibrate
+    from numatp.topology import Topology
+
+    seen = []
+
+    def measured(topo, **kw):
+        seen.append(topo)
+        raise ValueError("stop before measuring")
+
+    monkeypatch.setattr(calibrate, "measure_profile", measured)
+    code, _, err = cli("calibrate", "--quick")
+    assert code == 2 and "stop before measuring" in err
+    expected = resolve_ranks(None, Topology.detect())
+    assert [s.cpus for s in seen[0].sockets] == [s.cpus for s in expected.sockets]

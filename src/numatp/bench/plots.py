@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from numatp.bench.spec import Point
 
@@ -50,7 +51,9 @@ def heatmaps(means: Mapping[str, Mapping[Point, float]], out: Path) -> list[Path
         norm = LogNorm(vmin=min(values), vmax=max(values) * (1.0001 if min(values) == max(values) else 1))
         cols = min(len(panels), _HEATMAP_COLUMNS)
         rows = math.ceil(len(panels) / cols)
-        fig = Figure(figsize=(1.5 + 0.9 * len(seqs) * cols, 0.6 + (0.9 + 0.5 * len(batches)) * rows), layout="constrained")
+        # a panel is never narrower than its axis label and 3-4 tick labels: a one-cell quick sweep too
+        panel_w, panel_h = max(2.4, 0.9 * len(seqs)), max(1.6, 0.9 + 0.5 * len(batches))
+        fig = Figure(figsize=(2.0 + panel_w * cols, 1.0 + panel_h * rows), layout="constrained")
         axes = list(fig.subplots(rows, cols, squeeze=False).flat)
         for ax in axes[len(panels):]:
             ax.set_visible(False)
@@ -66,9 +69,15 @@ def heatmaps(means: Mapping[str, Mapping[Point, float]], out: Path) -> list[Path
             ax.set_title(mode)
             ax.set_xticks(range(len(seqs)), [str(s) for s in seqs])
             ax.set_yticks(range(len(batches)), [str(b) for b in batches])
-            ax.set_xlabel("sequence length")
-            ax.set_ylabel("batch size")
-        fig.colorbar(image, ax=axes[: len(panels)], label="mean prefill time (s)")
+        # one axis label for all panels: per-panel labels collide between narrow neighbours
+        fig.supxlabel("sequence length")
+        fig.supylabel("batch size")
+        bar = fig.colorbar(image, ax=axes[: len(panels)], label="mean prefill time (s)")
+        # plain numbers at a few even steps: a log bar over less than a decade otherwise labels its minor
+        # ticks in crowded powers of ten
+        ticks = np.geomspace(norm.vmin, norm.vmax, 5)
+        bar.set_ticks(ticks, labels=[f"{t:.3g}" for t in ticks])
+        bar.minorticks_off()
         fig.suptitle(f"{model} {dtype}: mean prefill time per call")
         paths.append(_save(fig, out / f"heatmap-{_slug(model)}-{_slug(dtype)}.png"))
     return paths
@@ -94,20 +103,27 @@ def _bar_panels(values: Mapping[str, Mapping[Point, float]], ylabel: str, title:
     if not groups:
         return []
     modes = [m for m, v in values.items() if v]
-    fig = Figure(figsize=(10, 2.6 * len(groups)), layout="constrained")
+    widest = max(len({p for v in values.values() for p in v if (p.model, p.dtype) == g}) for g in groups)
+    fig = Figure(figsize=(max(10.0, 0.5 * widest), 2.6 * len(groups)), layout="constrained")
     axes = fig.subplots(len(groups), 1, squeeze=False)[:, 0]
-    width = 0.8 / len(modes)
+    colour = {m: f"C{k}" for k, m in enumerate(modes)}   # a mode keeps its colour in every panel
     for ax, (model, dtype) in zip(axes, groups):
         points = sorted({p for v in values.values() for p in v if (p.model, p.dtype) == (model, dtype)})
-        for k, mode in enumerate(modes):
-            heights = [values[mode].get(p, np.nan) for p in points]
-            ax.bar(np.arange(len(points)) + (k - (len(modes) - 1) / 2) * width, heights, width, label=mode)
+        here = [m for m in modes if any(p in values[m] for p in points)]
+        width = 0.8 / len(here)
+        for k, mode in enumerate(here):
+            # a mode not measured at a point leaves a gap (NaN bars upset the axis limits)
+            at = [i for i, p in enumerate(points) if p in values[mode]]
+            ax.bar(np.array(at, dtype=float) + (k - (len(here) - 1) / 2) * width,
+                   [values[mode][points[i]] for i in at], width, color=colour[mode])
         if parity:
             ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xlim(-0.5, len(points) - 0.5)
         ax.set_xticks(range(len(points)), [tick(p) for p in points], fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_title(f"{model} {dtype}{title}")
-    axes[0].legend(ncols=min(len(modes), 5), fontsize=8, loc="upper left")
+    fig.legend(handles=[Patch(color=colour[m], label=m) for m in modes], ncols=min(len(modes), 6), fontsize=8,
+               loc="outside upper center")
     return [_save(fig, path)]
 
 

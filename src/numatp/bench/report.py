@@ -1,6 +1,8 @@
 """From results lines to the paper's tables: mean times per configuration, speedups over the
 baseline, the Table IV policy summary, the Fig. 9 scaling series, and ``summary.md`` beside the
-PNG figures (drawn by ``numatp.bench.plots`` when matplotlib is installed).
+PNG figures (drawn by ``numatp.bench.plots`` when matplotlib is installed); ``console_table`` is the
+short form ``numatp bench`` prints when it ends. Tables and figures are numbered as in the paper,
+:data:`numatp.cost.paper.CITATION`, which every report cites.
 
 A configuration is a point (model, dtype, batch, seq); when a point was measured more than once in
 a mode, its latest ``"ok"`` line counts.
@@ -16,8 +18,10 @@ from typing import Any
 
 from numatp.bench.spec import MODES, Point
 from numatp.bench.sweep import read_results
+from numatp.cost.paper import CITATION
 
-__all__ = ["Point", "PolicyRow", "decode_rates", "mean_times", "policy_table", "scaling", "speedups", "write_report"]
+__all__ = ["Point", "PolicyRow", "console_table", "decode_rates", "mean_times", "policy_table", "scaling", "speedups",
+           "write_report"]
 
 SUMMARY = "summary.md"
 _PLOT_HINT = "pip install 'numatp[plot]'"
@@ -129,9 +133,10 @@ def _machine_lines(records: list[Mapping[str, Any]]) -> list[str]:
 
 
 def _markdown(records: list[Mapping[str, Any]], images: list[Path], plot_note: str | None) -> str:
-    lines = ["# numatp bench summary", "", *_machine_lines(records), ""]
+    lines = ["# numatp bench summary", "", *_machine_lines(records), "",
+             f"Tables and figures are numbered as in the paper: {CITATION} (https://arxiv.org/abs/2611.07105).", ""]
     rows = policy_table(records)
-    lines += ["## Speedup over baseline by mode (Table IV)", ""]
+    lines += ["## Speedup over baseline by mode (the paper's Table IV)", ""]
     if rows:
         lines += ["| Mode | Geo. mean | Median | Worse than baseline | Configurations |", "|---|---|---|---|---|"]
         lines += [f"| {r.mode} | {r.geomean:.2f}x | {r.median:.2f}x | {r.worse}/{r.count} | {r.count} |" for r in rows]
@@ -172,7 +177,7 @@ def _markdown(records: list[Mapping[str, Any]], images: list[Path], plot_note: s
                 ratio = f", {d['tokens_per_s'] / base[p]['tokens_per_s']:.2f}x" if m != "baseline" and p in base else ""
                 cells.append(f"{d['tokens_per_s']:.1f} ({1e3 * d['first_token_s']:.0f}{ratio})")
             lines.append(f"| {p.model} | {p.dtype} | {p.batch} | {p.seq} | {new} | " + " | ".join(cells) + " |")
-    lines += ["", "## Figures", ""]
+    lines += ["", "## Figures (after the paper's Fig. 7-9)", ""]
     lines += [f"![{image.stem}]({image.name})" for image in images] or [plot_note or "No figures."]
     problems = [r for r in records if r.get("status") in ("skipped", "error")]
     if problems:
@@ -180,6 +185,43 @@ def _markdown(records: list[Mapping[str, Any]], images: list[Path], plot_note: s
         lines += [f"- {r['status']}: {_label(r)} {r['dtype']} b{r['batch']} s{r['seq']} {r['mode']}: {r.get('reason', '')}"
                   for r in problems]
     return "\n".join(lines) + "\n"
+
+
+def console_table(records: Iterable[Mapping[str, Any]]) -> str:
+    """What ``numatp bench`` prints when it ends: the mean time per call of each configuration and mode,
+    each mode's speedup over the baseline beside it, then the paper's Table IV summary."""
+    records = list(records)
+    means = mean_times(records)
+    if not means:
+        return "No configuration was measured: no results to show."
+    modes = list(means)
+    points = sorted({p for by_point in means.values() for p in by_point})
+    base = means.get("baseline", {})
+
+    def cell(mode: str, p: Point) -> str:
+        t = means[mode].get(p)
+        if t is None:
+            return "-"
+        ratio = f" ({base[p] / t:.2f}x)" if mode != "baseline" and p in base else ""
+        return f"{1e3 * t:.2f}{ratio}"
+
+    header = ["model", "dtype", "batch", "seq", *modes]
+    body = [[p.model, p.dtype, str(p.batch), str(p.seq), *(cell(m, p) for m in modes)] for p in points]
+    lines = ["Mean prefill time per call, ms (x: speedup over the baseline)", *_columns(header, body, left=2)]
+    rows = policy_table(records)
+    if rows:
+        lines += ["", f"Speedup over the baseline by mode (as the paper's Table IV; {CITATION})",
+                  *_columns(["mode", "geo. mean", "median", "worse than baseline"],
+                            [[r.mode, f"{r.geomean:.2f}x", f"{r.median:.2f}x", f"{r.worse}/{r.count}"] for r in rows],
+                            left=1)]
+    return "\n".join(lines)
+
+
+def _columns(header: list[str], rows: list[list[str]], *, left: int) -> list[str]:
+    """Text columns: the first ``left`` left-aligned (names), the rest right-aligned (numbers)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in [header, *rows]]
 
 
 def write_report(results: str | Path, out_dir: str | Path | None = None) -> list[Path]:

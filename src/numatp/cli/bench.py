@@ -75,12 +75,10 @@ def _validate_models(models: list[str], tiny: bool, decode: int = 0) -> None:
     if decode < 0:
         raise SystemExit(f"numatp bench: --decode {decode}: pass the number of tokens to generate (>= 1), or 0")
     for model in models:
-        is_preset = model in zoo.PRESETS
-        if not is_preset and not (Path(model) / "config.json").is_file():
-            raise SystemExit(
-                f"numatp bench: --model {model!r} is neither a preset ({', '.join(zoo.PRESETS)}) nor a folder "
-                "holding a Hugging Face config.json; pass a preset name or such a folder"
-            )
+        try:
+            is_preset = zoo.resolve(model).preset is not None
+        except ValueError as e:
+            raise SystemExit(f"numatp bench: --model {e}") from e
         if tiny and not is_preset:
             raise SystemExit(f"numatp bench: --tiny shrinks presets only, and {model!r} is a checkpoint folder; "
                              "drop --tiny or pass presets")
@@ -90,7 +88,8 @@ def _validate_models(models: list[str], tiny: bool, decode: int = 0) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from numatp.bench import expand, run_sweep, write_report
+    from numatp.bench import RESULTS, expand, read_results, run_sweep, write_report
+    from numatp.bench.report import console_table
     from numatp.bench.machine import resolve_ranks
     from numatp.bench.spec import MODES, PAPER_MODELS, QUICK
     from numatp.topology import Topology
@@ -117,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
                            timeout_s=args.timeout, memory_guard=args.memory_guard, progress=args.progress)
     except ValueError as e:
         raise SystemExit(f"numatp bench: {e}") from e
-    print(f"{len(configs)} configurations: {counts.ok} measured, {counts.resumed} already in "
-          f"{args.out / 'results.jsonl'}, {counts.skipped} skipped, {counts.errors} failed")
+    if (args.out / RESULTS).is_file():
+        print(console_table(read_results(args.out / RESULTS)))
+    print(f"\n{len(configs)} configurations: {counts.ok} measured, {counts.resumed} already in "
+          f"{args.out / RESULTS}, {counts.skipped} skipped, {counts.errors} failed")
     if args.report:
         for path in write_report(args.out):
             print(f"wrote {path}")

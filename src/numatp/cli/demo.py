@@ -11,6 +11,7 @@ GEMM-provider gain as a NUMA gain.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -38,6 +39,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _size(nbytes: int) -> str:
+    """``4096`` -> ``"4 KiB"``: a page size in the largest binary unit that divides it."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
 def _say(msg: str) -> None:
     print(f"[numatp demo] {msg}", file=sys.stderr, flush=True)
 
@@ -53,7 +62,22 @@ def _time(fn, inputs, warmup: int, iters: int) -> list[float]:
     return out
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse bad arguments before torch is imported or a model built."""
+    from numatp import zoo
+
+    for flag, value, low in (("--batch", args.batch, 1), ("--seq", args.seq, 1), ("--sockets", args.sockets, 1),
+                             ("--warmup", args.warmup, 0), ("--iters", args.iters, 1)):
+        if value is not None and value < low:
+            raise SystemExit(f"numatp demo: {flag} {value}: must be >= {low}")
+    if zoo.resolve(args.model).folder is not None and args.tiny:
+        raise SystemExit(f"numatp demo: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
+                         "drop --tiny")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+
     import warnings
 
     import torch
@@ -70,11 +94,7 @@ def run(args: argparse.Namespace) -> int:
           "; ".join(f"socket {s.index} = node {s.node}, CPUs {format_cpulist(s.cpus)}" for s in topo.sockets))
     dtype = getattr(torch, args.dtype)
     _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype}, random weights)")
-    try:
-        model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
-    except MemoryError as e:
-        print(f"numatp demo: {e}", file=sys.stderr)
-        return 2
+    model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
     inputs = zoo.example_inputs(model, batch=args.batch, seq=args.seq)
     with torch.inference_mode():
         expected = model(**inputs).logits
@@ -139,8 +159,9 @@ def run(args: argparse.Namespace) -> int:
     if gather:
         print(f"gather of the column-sharded output: {100 * gather / args.iters / med['sharded']:.1f}% "
               "(each socket copies its columns into the full tensor)")
+    unit = f"pages ({_size(os.sysconf('SC_PAGE_SIZE'))})"   # move_pages counts base pages
     for r in report["ranks"]:
-        pages = ", ".join(f"node {n}: {c}" for n, c in sorted(r["pages"].items()))
+        pages = ", ".join(f"node {n}: {c} {unit}" for n, c in sorted(r["pages"].items()))
         print(f"socket {r['socket']} weights -> {pages}")
     print(f"pages on their socket's own node: {100 * report['local_fraction']:.1f}%"
           + (" (virtual sockets: one node, placement not exercised)" if report["virtual"] else ""))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import re
 
 __all__ = ["add_parser", "explain"]
 
@@ -65,6 +65,8 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
     if policy == "auto":
         from numatp.backend import default_decider, resolve_topology
         decide = default_decider(resolve_topology(sockets))
+    # blocks are listed in the model's own order (embeddings, h.0, h.1, ..., h.10, head), not as text
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     for ag, inputs in graphs:
         own = pipeline.plan(ag, sockets, policy=policy, decide=decide).decisions if given is not None else None
         plan = pipeline.plan(ag, sockets, policy=policy, decide=decide, tp_plan=given)
@@ -77,11 +79,12 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
                                 "dim": getattr(pl, "dim", None),
                                 "splits": [str(s) for s in pl.splits] if isinstance(pl, (Colwise, Rowwise)) else None})
         sharded_bytes = plan.model_bytes - plan.replicated_bytes
+        blocks = [{"kind": b.kind, "module": _shown_module(model, b.kind, b.module), "sharded": b.sharded,
+                   "columns": list(b.columns), "row": b.row, "replicated_columns": list(b.replicated_columns),
+                   "reason": str(b.reason), "reason_kind": b.reason.kind} for b in plan.blocks]
         out["graphs"].append({
-            "blocks": [{"kind": b.kind, "module": b.module, "sharded": b.sharded, "columns": list(b.columns),
-                        "row": b.row, "replicated_columns": list(b.replicated_columns), "reason": str(b.reason),
-                        "reason_kind": b.reason.kind}
-                       for b in plan.blocks],
+            "blocks": sorted(blocks, key=lambda b: (order.get(b["module"].split(" ")[0], len(order)),
+                                                    _layer_order(b["module"]), b["kind"])),
             "weights": weights,
             "reductions": plan.reductions, "gathers": plan.gathers,
             "model_bytes": plan.model_bytes, "sharded_fraction": sharded_bytes / max(plan.model_bytes, 1),
@@ -95,6 +98,28 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
                                                       for m, v in plan.decisions.items() if own.get(m) != v}
         out["graphs"][-1].update(_lowered(ag, plan, inputs, sockets, policy, gemm=gemm, check=check))
     return out
+
+
+def _layer_order(name: str) -> list:
+    """Sort key that orders ``h.2`` before ``h.10``: digit runs compare as numbers (names the model's
+    module list does not hold, and the replicated tensors)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t]
+
+
+def _shown_module(model, kind: str, module: str) -> str:
+    """The module a block row names. A tied embedding's weight is traced under the LM head's name
+    (one tensor, two modules), so its row would read ``lm_head`` twice: name the input embedding."""
+    if kind != "embedding":
+        return module
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:
+        owner = model.get_submodule(module)
+    except AttributeError:
+        return module
+    if emb is None or owner is emb or getattr(owner, "weight", None) is not getattr(emb, "weight", None):
+        return module
+    name = next((n for n, m in model.named_modules() if m is emb), None)
+    return module if name is None else f"{name} (tied to {module})"
 
 
 def _lowered(ag, plan, inputs: list, sockets: int, policy: str, *, gemm: bool, check: bool) -> dict:
@@ -164,23 +189,31 @@ def _rate(r: float | None) -> str:
     return "-" if not r else f"{r:.1f}"
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse bad arguments before torch is imported or a model built (tracing takes tens of seconds)."""
+    from numatp import zoo
+
+    for flag, value in (("--sockets", args.sockets), ("--batch", args.batch), ("--seq", args.seq)):
+        if value < 1:
+            raise SystemExit(f"numatp explain: {flag} {value}: must be >= 1")
+    if zoo.resolve(args.model).folder is not None and args.tiny:
+        raise SystemExit(f"numatp explain: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
+                         "drop --tiny")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_args(args)
     tp_plan = args.plan
     if tp_plan not in (None, "hf"):
         try:
             with open(tp_plan) as f:
                 tp_plan = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            print(f"numatp explain: --plan {args.plan}: {e}; pass 'hf' or a JSON file of module patterns to "
-                  "colwise, rowwise, replicate or vocab", file=sys.stderr)
-            return 2
-    try:
-        info = explain(args.model, sockets=args.sockets, batch=args.batch, seq=args.seq, dtype=args.dtype,
-                       policy=args.policy, tiny=args.tiny, gemm=args.gemm, tp_plan=tp_plan,
-                       check=args.check)
-    except (ValueError, MemoryError) as e:
-        print(f"numatp explain: {e}", file=sys.stderr)
-        return 2
+            raise SystemExit(f"numatp explain: --plan {args.plan}: {e}; pass 'hf' or a JSON file of module patterns "
+                             "to colwise, rowwise, replicate or vocab") from e
+    info = explain(args.model, sockets=args.sockets, batch=args.batch, seq=args.seq, dtype=args.dtype,
+                   policy=args.policy, tiny=args.tiny, gemm=args.gemm, tp_plan=tp_plan,
+                   check=args.check)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -197,9 +230,10 @@ def run(args: argparse.Namespace) -> int:
                 detail = f"columns [{cols}]" + (f" -> row {b['row'].rsplit('.', 2)[-2]}" if b["row"] else "") + \
                     f"; {b['reason']}"
             print(f"{b['module']:<36} {b['kind']:<10} {decision:<12} {detail}")
-        rep = sorted({w["name"] for w in g["weights"] if w["placement"] == "Replicate"})
+        rep = sorted({w["name"] for w in g["weights"] if w["placement"] == "Replicate"}, key=_layer_order)
+        owners = list(dict.fromkeys(r.rsplit(".", 1)[0] for r in rep))   # a norm's weight and bias: one module
         print(f"\nreplicated on every socket ({len(rep)} tensors: norms, small embeddings, biases after reductions, "
-              "K/V of too few heads): " + ", ".join(r.rsplit(".", 1)[0] for r in rep[:6]) + (" ..." if len(rep) > 6 else ""))
+              "K/V of too few heads): " + ", ".join(owners[:6]) + (" ..." if len(owners) > 6 else ""))
         print(f"cross-socket reductions: {g['reductions']} all-reduce, {g['gathers']} gather")
         print(f"weights: {g['model_bytes'] / _MIB:.1f} MiB, {100 * g['sharded_fraction']:.1f}% sharded; per socket: "
               + ", ".join(f"{b / _MIB:.1f} MiB" for b in g["socket_bytes"]))

@@ -9,7 +9,6 @@ side; greedy tokens of both are checked against each other.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -52,7 +51,46 @@ def _say(msg: str) -> None:
     print(f"[numatp generate] {msg}", file=sys.stderr, flush=True)
 
 
+# Files that carry a tokenizer's vocabulary: fast (tokenizer.json), sentencepiece, BPE and WordPiece ones.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                    "vocab.txt")
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    """Refuse bad arguments before a model is built (names, paths and values before torch is even imported);
+    returns the checkpoint folder that ``--prompt`` reads its tokenizer from (None without ``--prompt``)."""
+    from numatp import zoo
+
+    for flag, value, rule in (("--new-tokens", args.new_tokens, "must be >= 1"),
+                              ("--batch", args.batch, "must be >= 1"),
+                              ("--prompt-len", args.prompt_len, "must be >= 1"),
+                              ("--prompt-bucket", args.prompt_bucket, "must be >= 1 (1 runs the prompt as given)"),
+                              ("--sockets", args.sockets, "must be >= 1")):
+        if value is not None and value < 1:
+            raise SystemExit(f"numatp generate: {flag} {value}: {rule}")
+    source = zoo.resolve(args.model)
+    if source.folder is not None and args.tiny:
+        raise SystemExit(f"numatp generate: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
+                         "drop --tiny")
+    if args.prompt is not None:
+        if source.folder is None:
+            raise SystemExit(f"numatp generate: --prompt needs a checkpoint folder with a tokenizer; {args.model!r} "
+                             "is a preset (random weights, no tokenizer): use --prompt-len N")
+        if not any((source.folder / f).is_file() for f in _TOKENIZER_FILES) and \
+                not any(source.folder.glob("*.tiktoken")):
+            raise SystemExit(f"numatp generate: --prompt needs a tokenizer, and {args.model} has no tokenizer files "
+                             f"(none of {', '.join(_TOKENIZER_FILES)}); save one beside the model "
+                             "(tokenizer.save_pretrained(folder)), or use --prompt-len N for a random prompt")
+    if not zoo.can_generate(args.model, tiny=args.tiny):   # reads the config (imports transformers), builds nothing
+        decoders = ", ".join(p for p in zoo.PRESETS if not p.startswith("bert"))
+        raise SystemExit(f"numatp generate: {args.model!r} is an encoder (a masked LM), which does not generate "
+                         f"text; pass a decoder ({decoders}) or use `numatp demo --model {args.model}` for its prefill")
+    return None if args.prompt is None else str(source.folder)
+
+
 def run(args: argparse.Namespace) -> int:
+    folder = _check_args(args)
+
     import warnings
 
     import torch
@@ -64,33 +102,18 @@ def run(args: argparse.Namespace) -> int:
     from numatp.topology import Topology
 
     warnings.filterwarnings("ignore", message="numatp: virtual sockets")
-    if args.new_tokens < 1:
-        print(f"numatp generate: --new-tokens {args.new_tokens}: must be >= 1", file=sys.stderr)
-        return 2
-    if args.prompt_bucket is not None and args.prompt_bucket < 1:
-        print(f"numatp generate: --prompt-bucket {args.prompt_bucket}: must be >= 1 (1 runs the prompt as given)",
-              file=sys.stderr)
-        return 2
-    folder = os.path.isdir(args.model)
     tokenizer = None
-    if args.prompt is not None:
-        if not folder:
-            print(f"numatp generate: --prompt needs a checkpoint folder with a tokenizer; {args.model!r} is a "
-                  "preset (random weights, no tokenizer): use --prompt-len N", file=sys.stderr)
-            return 2
+    if folder is not None:
         from transformers import AutoTokenizer
         try:
-            tokenizer = AutoTokenizer.from_pretrained(args.model)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError) as e:
-            print(f"numatp generate: no tokenizer in {args.model}: {e}; use --prompt-len N", file=sys.stderr)
-            return 2
+            raise SystemExit(f"numatp generate: the tokenizer in {args.model} does not load: {e}; "
+                             "use --prompt-len N for a random prompt") from e
+    topo = resolve_ranks(args.sockets, Topology.detect())
     dtype = getattr(torch, args.dtype)
     _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype})")
-    try:
-        model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
-    except MemoryError as e:
-        print(f"numatp generate: {e}", file=sys.stderr)
-        return 2
+    model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
     if tokenizer is not None:
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
@@ -101,7 +124,6 @@ def run(args: argparse.Namespace) -> int:
         length = args.prompt_len or 128
         ids = torch.randint(0, model.config.vocab_size, (args.batch, length), generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
-    topo = resolve_ranks(args.sockets, Topology.detect())
     kw = dict(max_new_tokens=args.new_tokens, do_sample=args.sample)
     if args.prompt_bucket is not None:
         kw["prompt_bucket"] = args.prompt_bucket
@@ -116,11 +138,7 @@ def run(args: argparse.Namespace) -> int:
     for name, compiled in runs:
         _say(f"{name}: compiling the prompt and the decode step (first generation, untimed)")
         t0 = time.perf_counter()
-        try:
-            generate_timed(compiled, ids, mask, **kw)
-        except ValueError as e:
-            print(f"numatp generate: {e}", file=sys.stderr)
-            return 2
+        generate_timed(compiled, ids, mask, **kw)
         _say(f"{name}: compiled in {time.perf_counter() - t0:.1f}s; timing a second generation")
         results[name] = generate_timed(compiled, ids, mask, **kw)
     print(f"model: {args.model}{' (tiny)' if args.tiny else ''}, {args.dtype}, batch {args.batch}, "

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from numatp.cost import CHOICES, BUILTIN_PROFILES, blocks_for, load_profile, predict, predict_decode, predict_model
+from numatp.cost import (CHOICES, BUILTIN_PROFILES, MachineProfile, blocks_for, load_profile, predict, predict_decode,
+                         predict_model)
+from numatp.cost.paper import CITATION
 
 __all__ = ["add_parser"]
 
@@ -37,7 +39,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+def assumptions(profiles: list[MachineProfile], dtype: str, *, builtin: bool) -> str:
+    """What a prediction's absolute times stand for: which platform profiles, and whose GEMM kernels at
+    what rate (the built-in profiles model the paper's Triton-CPU kernels, far slower than torch's)."""
+    names = ", ".join(p.name for p in profiles)
+    plural = "s" if len(profiles) > 1 else ""
+    if builtin:
+        rates = ", ".join(f"{p.peak_gflops[dtype] * p.gemm_efficiency.get(dtype, 1.0):.1f}" for p in profiles)
+        shares = ", ".join(f"{100 * p.gemm_efficiency.get(dtype, 1.0):.0f}%" for p in profiles)
+        return (f"times assume the built-in profile{plural} {names}: the paper's platform{plural} (Table I of {CITATION}) from "
+                f"public specifications, running the paper's kernels (Triton-CPU, Sec. III-B) at {rates} GFLOP/s per "
+                f"socket in {dtype}, {shares} of the peak; torch's own GEMMs (MKL, oneDNN) run far faster there, so "
+                "read the speedups, not the milliseconds, for numatp on such a machine")
+    rates = ", ".join(f"{max(rows):.1f}" if (rows := [g for d, *_, g in p.gemm_table if d == dtype]) else "unmeasured"
+                      for p in profiles)
+    return (f"times assume the profile{plural} {names} that numatp calibrate measured on that machine: torch's GEMM kernels "
+            f"(torch.mm: MKL / oneDNN) at up to {rates} GFLOP/s per socket in {dtype}, its DRAM bandwidth, barrier "
+            "and all-reduce cost")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        from numatp import zoo
+
+        zoo.resolve(args.model)   # a bad name is refused before the zoo imports transformers
     one = {"--platform": args.platform, "--model": args.model, "--batch": args.batch, "--seq": args.seq}
     if args.paper:
         given = [k for k, v in one.items() if v is not None]
@@ -78,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'total':>10}  " + "  ".join(f"{total[c] * 1e3:9.2f}ms" for c in CHOICES))
     print("(total sharded keeps the LM head unsharded, as the paper's NUMA-TP does)")
     print(f"predicted NUMA-TP speedup over the baseline: {total['speedup']:.2f}x")
+    print(f"({assumptions([profile], args.dtype, builtin=args.platform in BUILTIN_PROFILES)})")
     return 0
 
 
@@ -86,10 +112,11 @@ def _decode(args: argparse.Namespace) -> int:
     if missing:
         raise SystemExit(f"numatp predict --decode: {', '.join(missing)} missing (--seq is the prompt length)")
     names = [args.platform] if args.platform else list(BUILTIN_PROFILES)
-    rows = []
+    rows, profiles = [], []
     try:
         for name in names:
             profile = load_profile(name)
+            profiles.append(profile)
             r = predict_decode(args.model, args.batch, args.seq, args.decode, args.dtype, profile)
             rows.append({"platform": profile.name, "sockets": profile.sockets, "context": r["context"],
                          "bytes": r["bytes"], "seconds": {c: r[c] for c in CHOICES}, "speedup": r["speedup"],
@@ -108,6 +135,7 @@ def _decode(args: argparse.Namespace) -> int:
         print(f"{r['platform']:<16} {r['sockets']:>7}  " + "  ".join(f"{r['seconds'][c] * 1e3:9.2f}ms" for c in CHOICES)
               + f"  {r['speedup']:>7.2f}x")
     print("(speedup: unsharded / sharded per token; sharded splits attention, MLP and the LM head)")
+    print(f"({assumptions(profiles, args.dtype, builtin=all(n in BUILTIN_PROFILES for n in names))})")
     return 0
 
 
@@ -120,8 +148,8 @@ def _paper(as_json: bool) -> int:
     if as_json:
         print(json.dumps([asdict(f) for f in rows], indent=2))
         return 0
-    print("The paper's figures (fp32, 6 models x batch 1-8 x seq 128-4096) against the model's prediction on "
-          "the built-in profiles")
+    print(f"The paper's figures ({CITATION}; fp32, 6 models x batch 1-8 x seq 128-4096) against the model's "
+          "prediction on the built-in profiles of its platforms, which model its Triton-CPU kernels")
     print(f"{'platform':<15} {'paper':>6} {'model':>7}  {'holds':<5}  what (rule)")
     for f in rows:
         paper = "-" if f.paper is None else f"{f.paper:.2f}"

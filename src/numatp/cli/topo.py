@@ -52,7 +52,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _gemm_ceilings() -> dict[str, dict[str, dict[str, float]]]:
     """``{dtype: {threads: {provider: GFLOP/s}}}`` from the GEMM table of this CPU (JSON-ready keys)."""
-    from numatp.runtime.gemm import ceiling_table  # imports torch: only where the table is read
+    from numatp._cache import cache_dir
+
+    # The table's name hashes this CPU with the torch build, so finding it imports torch (seconds); with
+    # no table in the cache at all (nothing compiled or calibrated yet) there is nothing to find.
+    if not any(cache_dir().glob("gemm-*.json")):
+        return {}
+    from numatp.runtime.gemm import ceiling_table
 
     return {dt: {str(t): r for t, r in sorted(by_t.items())} for dt, by_t in sorted(ceiling_table().items())}
 
@@ -61,11 +67,11 @@ def render_gemm(ceilings: dict[str, dict[str, dict[str, float]]],
                 title: str = "GEMM ceilings (best measured GFLOP/s per provider; - = cannot run here)") -> str:
     """The GEMM ceilings section of ``numatp topo`` (and ``calibrate``'s table): rate per dtype, thread
     count and provider, ``ceilings`` as ``{dtype: {threads: {provider: GFLOP/s}}}``."""
-    from numatp.runtime.gemm import GemmTable
+    from numatp._cache import cache_dir
 
     if not ceilings:
-        return (f"GEMM ceilings: none measured on this CPU yet ({GemmTable().path}); run numatp calibrate, or "
-                "compile a model with numatp")
+        return (f"GEMM ceilings: none measured on this CPU yet (GEMM tables are kept in {cache_dir()}); run numatp "
+                "calibrate, or compile a model with numatp")
     providers = sorted({p for by_t in ceilings.values() for r in by_t.values() for p in r})
     rows = [[dt, t, *(f"{r[p]:.1f}" if r.get(p) else "-" for p in providers),
              max(r, key=lambda p: r[p])] for dt, by_t in ceilings.items() for t, r in by_t.items()]

@@ -23,7 +23,11 @@ from typing import Any
 from numatp.cost.decide import predict_model
 from numatp.cost.profile import MachineProfile, load_profile
 
-__all__ = ["BATCHES", "Finding", "MODELS", "SEQS", "findings", "sweep"]
+__all__ = ["BATCHES", "CITATION", "Finding", "MODELS", "SEQS", "findings", "sweep"]
+
+CITATION = ('T. Rathnayaka Weerakoon et al., "NUMA-Torch: Compiler-Driven NUMA-Aware LLM Prefill on Multi-Socket '
+            'CPUs", HiPC 2026, arXiv:2611.07105')
+"""The paper as every report that names its tables and figures cites it."""
 
 MODELS: dict[str, dict[str, Any]] = {
     # Table III sizes (vocabularies from the models' public configs), so no transformers import is needed.
