@@ -7,12 +7,16 @@ attention and MLP block.
 
 from __future__ import annotations
 
-from numatp.backend import compile, placement_report, plans
-from numatp.generate import generate
-from numatp.placement import membind, numa_clone, pages_by_node
-from numatp.plan.gemm_pass import GemmOptions
-from numatp.topology import Topology
+from numatp.progress import install as _install_progress, set_progress
+
+_install_progress()   # before anything logs: progress lines on stderr where it is a terminal
+
+from numatp.backend import compile, placement_report, plans  # noqa: E402
+from numatp.generate import generate  # noqa: E402
+from numatp.placement import membind, numa_clone, pages_by_node  # noqa: E402
+from numatp.plan.gemm_pass import GemmOptions  # noqa: E402
+from numatp.topology import Topology  # noqa: E402
 
 __all__ = ["GemmOptions", "Topology", "compile", "generate", "membind", "numa_clone", "pages_by_node", "placement_report",
-           "plans"]
+           "plans", "set_progress"]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ from the compiled model back to it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -21,15 +22,16 @@ from typing import Any
 
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
+from torch._dynamo.exc import ShortenTraceback
 
 from numatp.backend.core import NumaTPBackend
-from numatp.backend.options import AUTO_MEASURE, Options
+from numatp.backend.options import AUTO_MEASURE, OPTION_NAMES, Options, unknown_names
 from numatp.plan.schema import Plan
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
-__all__ = ["CompiledModel", "backend_of", "compile", "compiled_by_numatp", "numatp_backend", "placement_report",
-           "plans"]
+__all__ = ["BackendOptionError", "CompiledModel", "backend_of", "compile", "compiled_by_numatp", "numatp_backend",
+           "placement_report", "plans"]
 
 log = logging.getLogger("numatp")
 
@@ -39,24 +41,41 @@ _ATTR = "_numatp_backend"
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",
             mode: str = "inductor", strict_placement: bool = False,
             gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE,
-            plan: Any = None) -> torch.nn.Module:
+            plan: Any = None, **unknown: Any) -> torch.nn.Module:
     """``torch.compile(model)`` with NUMA-aware tensor parallelism over ``sockets``.
 
-    ``sockets``: None uses the detected topology; an int N its first N sockets (N virtual sockets on a
-    single-node machine); or a :class:`numatp.Topology`. ``policy``: "always" shards every block numatp
-    understands, "never" none (the graph runs unsharded on all cores), "auto" asks the cost
-    model per block and shards the whole graph or none of it; where its two predictions lie within
+    ``sockets``: None uses the detected sockets, or 2 virtual sockets on a one-node machine with 2 or more
+    usable CPUs (:func:`numatp.topology.default_topology`, the rule of the registered backend and of every
+    ``numatp`` command too); an int N the first N sockets (N virtual sockets on a one-node machine); or a
+    :class:`numatp.Topology`. Each compile logs one line saying which (``numatp.set_progress``).
+    ``policy``: "always" shards every block numatp understands, "never" none (the graph runs unsharded
+    on all cores), "auto" asks the cost model per block and shards the whole graph or none of it; where its two predictions lie within
     ``auto_measure`` (a fraction) of each other, both plans are built and the first call keeps the one
     it measures faster. ``mode="eager"`` skips Inductor (debugging). ``gemm``: pick each weight matmul's
     kernel (MKL, oneDNN, packed or not) by measuring it on this CPU (``True``, or :class:`GemmOptions`),
     keep Inductor's (``False``), or numatp's default (``None``). ``plan``: decisions that override the pass
     per module, in transformers' tp_plan vocabulary (``{"model.layers.*.mlp.down_proj": "rowwise", ...}``,
     values colwise, rowwise, replicate, vocab; see :mod:`numatp.plan.tp_plan`), or ``"hf"`` for the model's
-    own tp_plan; ``numatp.plans(compiled)[i].to_tp_plan()`` gives a plan back in the same form.
+    own tp_plan; ``numatp.plans(compiled)[i].to_tp_plan()`` gives a plan back in the same form. An
+    unknown keyword is a TypeError that lists the valid ones and the closest (``polcy`` -> ``policy``).
+
+    The first call with an input shape builds its socket programs (tens of seconds: tracing, GEMM
+    measurement, Inductor); numatp's progress lines say what it is doing (``numatp.set_progress``).
 
     The same options work as ``torch.compile(model, backend="numatp", options={"sockets": 2, ...})``.
     Input shapes are static here (``dynamic=False``): each new shape compiles its own programs.
+
+    Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` (8) compiled entries per code object,
+    and by default every ``torch.compile`` of one model class shares them: a few compiles of one model in
+    a process would use up the limit and leave a later one (a generation's decode step) running eagerly.
+    Each ``numatp.compile`` therefore counts its own entries (``torch.compile(...,
+    isolate_recompiles=True)``, torch 2.13 on): up to the limit per compiled model, whatever else was
+    compiled. ``torch.compile(model, backend="numatp")`` shares the limit unless given
+    ``isolate_recompiles=True`` itself.
     """
+    if unknown:
+        raise TypeError(f"numatp.compile() got unknown keyword argument(s) {unknown_names(sorted(unknown))}; "
+                        f"it takes {', '.join(OPTION_NAMES)} (see help(numatp.compile))")
     if plan == "hf":
         from numatp.plan.tp_plan import hf_tp_plan
         plan = hf_tp_plan(model)
@@ -66,10 +85,15 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     backend = NumaTPBackend.from_options(options, names=names)
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an
     # attribute on the result would land on ``model`` itself, and on every later compile of it
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    compiled = torch.compile(model, backend=backend, dynamic=False, **_ISOLATED)
     if type(compiled) is OptimizedModule:
         compiled.__class__ = CompiledModel
     return compiled
+
+
+# this compile's own count of Dynamo's compiled entries (see compile's docstring), where torch has it
+_ISOLATED = ({"isolate_recompiles": True}
+             if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
 
 class CompiledModel(OptimizedModule):
@@ -89,12 +113,17 @@ def numatp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, optio
     """Entry point of ``torch.compile(model, backend="numatp", options={...})``: the options of
     :func:`compile` (an unknown key is an error), one backend per ``torch.compile`` call."""
     if mode not in (None, "default"):
-        raise ValueError(f"torch.compile(..., backend='numatp', mode={mode!r}): numatp takes no torch.compile "
-                         "mode; drop mode= and pass numatp's own choices as options={'policy': ..., 'gemm': ...}")
+        raise _first_call_error(f"torch.compile(..., backend='numatp', mode={mode!r}): numatp takes no "
+                                "torch.compile mode; drop mode= and pass numatp's own choices as "
+                                "options={'policy': ..., 'gemm': ...}")
     wrapper = _calling_wrapper()
     backend = getattr(wrapper, _ATTR, None)
     if backend is None:
-        backend = NumaTPBackend.from_options(Options.from_dict(options))
+        try:
+            checked = Options.from_dict(options)
+        except (TypeError, ValueError) as e:
+            raise _first_call_error(str(e)) from e
+        backend = NumaTPBackend.from_options(checked)
         if wrapper is not None:
             setattr(wrapper, _ATTR, backend)
         else:
@@ -102,6 +131,21 @@ def numatp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, optio
             # to hold a backend, so the graph gets its own
             log.info("numatp: backend called outside torch.compile; this graph gets a backend of its own")
     return backend(gm, example_inputs)
+
+
+class BackendOptionError(ShortenTraceback, ValueError):
+    """A bad ``options=`` or ``mode=`` of ``torch.compile(..., backend="numatp")``. torch hands a registered
+    backend its options only when Dynamo compiles the first graph, at the model's first call, so they
+    are checked then; Dynamo passes this error on as raised (a ``ShortenTraceback``), so its message is the
+    first line the user reads, not a ``BackendCompilerFailed`` wrapper's."""
+
+    def __init__(self, message: str):
+        super().__init__(message, first_useful_frame=None)
+
+
+def _first_call_error(message: str) -> BackendOptionError:
+    return BackendOptionError(f"{message}; checked at the model's first call: torch.compile hands a registered "
+                              "backend its options only then")
 
 
 def _calling_wrapper() -> Any:
@@ -124,8 +168,7 @@ def backend_of(compiled: Any) -> NumaTPBackend:
     if found is not None:
         return found
     if registered:
-        raise ValueError("this model was compiled with backend='numatp' but has not run yet: call it once, "
-                         "then ask for its plans or placement")
+        raise ValueError(_NOT_RUN)
     raise ValueError(f"{type(compiled).__name__} was not compiled by numatp: pass the model returned by "
                      "numatp.compile(model) or torch.compile(model, backend='numatp')")
 
@@ -167,12 +210,28 @@ def _dynamo_callback(compiled: Any) -> Any:
     return None
 
 
+_NOT_RUN = ("this model has not run yet: numatp builds a model's socket programs, and places their weights, "
+            "on its first call, for that call's input shapes; call it once (compiled(input_ids)), then ask "
+            "for its plans or placement")
+
+
+def _run(compiled: Any) -> NumaTPBackend:
+    """The backend of a compiled model that has run; the same error before its first call, whichever
+    way it was compiled (the registered backend does not exist before then)."""
+    backend = backend_of(compiled)
+    if not backend.graphs:
+        raise ValueError(_NOT_RUN)
+    return backend
+
+
 def plans(compiled: Any) -> list[Plan]:
     """The plan of every program a compiled model has run: one per Dynamo graph and input signature,
-    in the order they were built (``explain`` prints the same plans without compiling)."""
-    return backend_of(compiled).plans
+    in the order they were built (``explain`` prints the same plans without compiling). Before the
+    model's first call there is none: a ValueError says to call it once, for either entry point."""
+    return _run(compiled).plans
 
 
 def placement_report(compiled: Any) -> dict[str, Any]:
-    """Where each socket's weights are: ``{"ranks": [{"socket", "node", "pages": {node: n}}], "local_fraction"}``."""
-    return backend_of(compiled).weights.report()
+    """Where each socket's weights are: ``{"ranks": [{"socket", "node", "pages": {node: n}}], "local_fraction"}``.
+    Before the model's first call a ValueError says to call it once, as :func:`plans` does."""
+    return _run(compiled).weights.report()

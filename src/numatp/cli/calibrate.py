@@ -29,7 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "picks providers from), e.g. after they were measured on a busy machine; no profile")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--sockets", type=int, metavar="N", default=None,
-                       help="use only the first N detected sockets")
+                       help="socket count (default: numatp's, the detected sockets, or 2 virtual ones on a "
+                       "one-node machine); N: the first N sockets, or N virtual ones on a one-node machine")
     group.add_argument("--virtual", type=int, metavar="N", default=None,
                        help="measure a virtual N-socket topology (this process's CPUs split N ways)")
     parser.set_defaults(run=run)
@@ -38,19 +39,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     from numatp.cost.calibrate import measure_gemm_ceilings, measure_profile  # imports torch: only here
-    from numatp.topology import Topology
+    from numatp.topology import Topology, resolve_sockets
 
-    try:
-        topo = Topology.virtual(sockets=args.virtual) if args.virtual is not None else Topology.detect()
+    try:   # numatp.compile's sockets (numatp.topology.resolve_sockets) unless --virtual
+        topo = Topology.virtual(sockets=args.virtual) if args.virtual is not None else resolve_sockets(args.sockets)
     except ValueError as e:
         raise SystemExit(f"numatp calibrate: {e}") from e
-    if args.sockets is not None:
-        if not 1 <= args.sockets <= len(topo.sockets):
-            raise SystemExit(
-                f"numatp calibrate: --sockets {args.sockets} but this machine has {len(topo.sockets)} "
-                f"socket(s); pass 1 to {len(topo.sockets)}, or --virtual N to split the CPUs"
-            )
-        topo = type(topo)(topo.nodes, topo.sockets[: args.sockets], topo.allowed_cpus, topo.is_virtual, topo.notes)
     start = time.perf_counter()
 
     def progress(msg: str) -> None:

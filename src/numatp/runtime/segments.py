@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from numatp.plan.ops import COLLECTIVES
+from numatp.progress import step as progress_step
 from numatp.runtime.collective import SocketComm
 from numatp.runtime.gemm import GEMM_OP, IN_PLACE, NATIVE, GemmStep, native_code
 from numatp.runtime.native import load_ops
@@ -363,7 +364,8 @@ class SegmentCompiler:
             # the segment was compiled for a stand-in of the weight's plain shape, which only the
             # provider's op reads
             patches = {"cpp_wrapper": True, "cpp.threads": threads, "size_asserts": False}
-            with torch.no_grad():
+            with torch.no_grad(), progress_step("Inductor: compiling a segment of %d nodes for %d thread(s)",
+                                       len(seg.gm.graph.nodes), threads):
                 fn = compile_fx(seg.gm, seg.example, config_patches=patches)
         with self._lock:
             self._cache.setdefault(k, fn)
