@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import transformers
 
 import numatp
 from numatp import zoo
-from numatp.backend import backend_of
+from numatp.backend import BackendOptionError, backend_of
 from tests.helpers import assert_close_to_eager, fresh_dynamo, shared_cpu_topology
 
 pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
@@ -76,37 +77,50 @@ def test_auto_measure_and_policy_options_reach_the_plan():
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"socket": 2}, r"unknown option\(s\) \['socket'\]; its options are sockets, policy, mode, strict_placement, "
-                    r"gemm, auto_measure"),
+    ({"socket": 2}, r"unknown option\(s\) \['socket'\] \(did you mean 'sockets'\?\); its options are sockets, "
+                    r"policy, mode, strict_placement, gemm, auto_measure"),
     ({"policy": "sometimes"}, r"policy='sometimes': choose 'always', 'never' or 'auto'"),
     ({"sockets": 0}, r"sockets=0: pass None \(detect\), a positive int or a numatp.Topology"),
     ({"gemm": "yes"}, r"gemm='yes': pass None \(default\), True, False or a numatp.GemmOptions"),
     ({"mode": "fast"}, r"mode='fast': choose 'inductor'"),
 ])
 def test_bad_options_are_clear_errors(options, message):
+    # torch hands a registered backend its options only at the first call: the error raised there is
+    # numatp's own, its first line naming the bad option and the valid ones, not Dynamo's wrapper
     model, inputs = _gpt2()
     compiled = torch.compile(model, backend="numatp", options=options)
-    with pytest.raises(Exception, match=message), torch.inference_mode():
+    with pytest.raises(BackendOptionError, match=message) as raised, torch.inference_mode():
         compiled(**inputs)
+    assert re.search(message, str(raised.value).splitlines()[0])
+    assert "checked at the model's first call" in str(raised.value)
     if "socket" not in options:   # numatp.compile takes the same options as keywords, and checks them alike
         with pytest.raises(ValueError, match=message):
+            numatp.compile(model, **options)
+    else:
+        with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) \['socket'\] \(did you mean "
+                                            r"'sockets'\?\); it takes sockets, policy, mode"):
             numatp.compile(model, **options)
 
 
 def test_torch_compile_mode_is_refused_with_the_way_out():
     model, inputs = _gpt2()
     compiled = torch.compile(model, backend="numatp", mode="max-autotune")
-    with pytest.raises(Exception, match=r"mode='max-autotune'.*drop mode= and pass numatp's own choices"):
+    with pytest.raises(BackendOptionError, match=r"^torch.compile\(\.\.\., backend='numatp', mode='max-autotune'\): "
+                       r"numatp takes no torch.compile mode; drop mode= and pass numatp's own choices"):
         with torch.inference_mode():
             compiled(**inputs)
 
 
 def test_plans_and_placement_for_both_entry_points():
     model, inputs = _gpt2()
+    # before the first call neither entry point has a program: the same error, saying what to do
     registered = torch.compile(model, backend="numatp", options={"sockets": 2, "mode": "eager"})
-    with pytest.raises(ValueError, match="has not run yet"):
-        numatp.plans(registered)
     direct = numatp.compile(model, sockets=2, mode="eager")
+    for compiled in (registered, direct):
+        for ask in (numatp.plans, numatp.placement_report):
+            with pytest.raises(ValueError, match=r"^this model has not run yet: .* on its first call, for that "
+                                                 r"call's input shapes; call it once \(compiled\(input_ids\)\)"):
+                ask(compiled)
     with torch.inference_mode():
         registered(**inputs)
         direct(**inputs)

@@ -19,8 +19,12 @@ if TYPE_CHECKING:
     from numatp.plan.gemm_pass import GemmOptions
     from numatp.topology import Topology
 
+from numatp.progress import install as _install_progress, set_progress  # torch-free
+
+_install_progress()   # before anything logs: progress lines on stderr where it is a terminal
+
 __all__ = ["GemmOptions", "Topology", "compile", "generate", "membind", "numa_clone", "pages_by_node", "placement_report",
-           "plans"]
+           "plans", "set_progress"]
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it. Loaded on first access (PEP 562) so that `numatp --help`

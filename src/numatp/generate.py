@@ -21,7 +21,6 @@ gathers one row per sequence.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import time
 from dataclasses import dataclass
@@ -57,7 +56,15 @@ class Generation:
 
 def generate(compiled: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
              **kwargs: Any) -> torch.Tensor:
-    """``compiled.generate(...)`` for a model compiled by numatp: see :func:`generate_timed` for the arguments."""
+    """``compiled.generate(...)`` for a model compiled by numatp (``numatp.compile``, or
+    ``torch.compile(..., backend="numatp")``, before its first call too): see :func:`generate_timed` for
+    the arguments. Any other model is an error that says how to compile it (its own ``generate`` runs it
+    eagerly)."""
+    if not compiled_by_numatp(compiled):
+        raise ValueError(f"numatp.generate: this {type(compiled).__name__} was not compiled by numatp, so it would "
+                         "generate without it; compile it first: fast = numatp.compile(model) (or "
+                         "torch.compile(model, backend='numatp')), then numatp.generate(fast, input_ids, ...) or "
+                         "fast.generate(input_ids, ...)")
     return generate_timed(compiled, input_ids, attention_mask, **kwargs).sequences
 
 
@@ -102,9 +109,15 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     pad = pick(pad_token_id, "pad_token_id")
     if pad is None:
         pad = eos[0] if eos else 0
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(f"input_ids: expected an integer tensor of shape (batch, prompt), got "
-                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids: expected an integer tensor of shape (batch, prompt), got a "
+                         f"{type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids has dtype {input_ids.dtype}: token ids are integers; pass "
+                         "input_ids.long() (as a tokenizer returns them)")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected (batch, prompt); "
+                         "input_ids[None] makes one prompt a batch of 1")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an integer >= 1")
     batch, prompt = input_ids.shape
@@ -139,11 +152,11 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     # parallel op here wakes this thread's OpenMP team, whose threads then spin for milliseconds on the
     # cores the socket workers compute on (measured: gpt2-medium bf16 decode on 2 virtual sockets, 26 ->
     # 18 ms a token). Another compiler's model computes on this thread: its thread count stays.
-    backend = None
-    if compiled_by_numatp(compiled):
-        backend = backend_of(compiled)
+    numatp_model = compiled_by_numatp(compiled)
+    # None before the first call of torch.compile(..., backend="numatp"): torch makes the backend then
+    backend = _backend(compiled) if numatp_model else None
     with torch.inference_mode(), callers_threads():
-        if backend is not None:
+        if numatp_model:
             torch.set_num_threads(1)
         cache = _reusable_cache(compiled, model, batch, length, dtype)
         ids = input_ids.clone()
@@ -164,7 +177,8 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
         t0 = time.perf_counter()
         decode_start = None
         token = None
-        with _GuardSkip() as guards, _decode_ahead(backend, batch, max_new_tokens - 1):
+        with _GuardSkip() as guards, _DecodeAhead(batch, max_new_tokens - 1) as ahead:
+            ahead.attach(backend)
             for step in range(max_new_tokens):
                 if step == 1:
                     decode_start = time.perf_counter()
@@ -173,8 +187,10 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                 step_pos = positions if step == 0 else positions[:, -1:] + step
                 out = compiled(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
-                if backend is not None:
-                    if backend.calls == calls:
+                if numatp_model:
+                    if backend is None:   # the registered backend's first call made it
+                        backend = ahead.attach(_backend(compiled))
+                    if backend is None or backend.calls == calls:
                         raise RuntimeError(_not_through_numatp(step, prompt, padded, length))
                     calls = backend.calls
                 logits = out.logits[:, -1, :].to(torch.float32)
@@ -196,19 +212,39 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                       end - decode_start if decode_start is not None else 0.0)
 
 
-@contextlib.contextmanager
-def _decode_ahead(backend: Any, rows: int, steps: int):
-    """Tell numatp's GEMM selector, while the prompt and decode programs compile, that ``steps`` decode
-    steps of ``rows`` rows follow the prompt: it then chooses each weight's providers for both."""
-    selector = getattr(backend, "gemm", None)
-    if selector is None:
-        yield
-        return
-    previous, selector.decode = selector.decode, (rows, steps)
+class _DecodeAhead:
+    """Tells numatp's GEMM selector, while the prompt and decode programs compile, that ``steps`` decode
+    steps of ``rows`` rows follow the prompt: it then chooses each weight's providers for both. A backend
+    made by the prompt's own call (``torch.compile(..., backend="numatp")`` before its first call) is
+    attached after it, in time for the decode step."""
+
+    def __init__(self, rows: int, steps: int):
+        self.decode = (rows, steps)
+        self._selector: Any = None
+        self._previous: Any = None
+
+    def attach(self, backend: Any) -> Any:
+        selector = getattr(backend, "gemm", None)
+        if selector is not None and self._selector is None:
+            self._selector, self._previous = selector, selector.decode
+            selector.decode = self.decode
+        return backend
+
+    def __enter__(self) -> _DecodeAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._selector is not None:
+            self._selector.decode = self._previous
+
+
+def _backend(compiled: Any) -> Any:
+    """The numatp backend of ``compiled``, or None where torch has not made it yet (the registered
+    backend before the model's first call)."""
     try:
-        yield
-    finally:
-        selector.decode = previous
+        return backend_of(compiled)
+    except ValueError:
+        return None
 
 
 def _not_through_numatp(step: int, prompt: int, padded: int, length: int) -> str:
@@ -219,9 +255,10 @@ def _not_through_numatp(step: int, prompt: int, padded: int, length: int) -> str
     limit = getattr(torch._dynamo.config, "recompile_limit", None)
     return (f"numatp generate: {what}, with a cache of {length} positions, ran without numatp: Dynamo ran the "
             "model eagerly, which would read stale per-socket caches. Dynamo compiles a model for at most "
-            f"torch._dynamo.config.recompile_limit ({limit}) shapes, and every prompt bucket and cache length "
-            "is one: pass the same max_cache_len to every generate, a larger prompt_bucket, or raise "
-            "torch._dynamo.config.recompile_limit")
+            f"torch._dynamo.config.recompile_limit ({limit}) shapes (per numatp.compile; shared by every "
+            "torch.compile of the model's class unless given isolate_recompiles=True), and every prompt "
+            "bucket and cache length is one: pass the same max_cache_len to every generate, a larger "
+            "prompt_bucket, or raise torch._dynamo.config.recompile_limit")
 
 
 class _GuardSkip:

@@ -9,10 +9,10 @@ on their sockets, ``states`` each socket's copy of what the programs write in pl
 from __future__ import annotations
 
 from numatp.backend.core import GEMM_DEFAULT, NumaTPBackend, close_call, default_decider, runs_unsharded
-from numatp.backend.entry import (CompiledModel, backend_of, compile, compiled_by_numatp, numatp_backend,
+from numatp.backend.entry import (BackendOptionError, CompiledModel, backend_of, compile, compiled_by_numatp, numatp_backend,
                                   placement_report, plans)
 from numatp.backend.options import AUTO_MEASURE, Options, resolve_topology
 
-__all__ = ["AUTO_MEASURE", "CompiledModel", "GEMM_DEFAULT", "NumaTPBackend", "Options", "backend_of", "close_call",
+__all__ = ["AUTO_MEASURE", "BackendOptionError", "CompiledModel", "GEMM_DEFAULT", "NumaTPBackend", "Options", "backend_of", "close_call",
            "compile", "compiled_by_numatp", "default_decider", "numatp_backend", "placement_report", "plans",
            "resolve_topology", "runs_unsharded"]

@@ -24,6 +24,7 @@ from numatp.plan.schema import Plan
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import SegmentCompiler
 from numatp.topology import Topology
+from numatp.topology.default import describe
 
 __all__ = ["GEMM_DEFAULT", "NumaTPBackend", "close_call", "default_decider", "runs_unsharded"]
 
@@ -66,8 +67,11 @@ class NumaTPBackend:
 
     @classmethod
     def from_options(cls, options: Options, *, names: dict[int, str] | None = None) -> NumaTPBackend:
-        """The backend of one compile with ``options`` (the topology is resolved here)."""
-        return cls(resolve_topology(options.sockets), policy=options.policy, names=names, mode=options.mode,
+        """The backend of one compile with ``options`` (the topology is resolved, and logged once, here)."""
+        topology = resolve_topology(options.sockets)
+        log.info("numatp: compiling for %s%s. numatp.set_progress(False) silences these lines", describe(topology),
+                 " (this machine's default; sockets= chooses)" if options.sockets is None else "")
+        return cls(topology, policy=options.policy, names=names, mode=options.mode,
                    strict_placement=options.strict_placement, gemm=options.gemm,
                    auto_measure=options.auto_measure, plan=options.plan, check=options.check)
 

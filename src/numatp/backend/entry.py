@@ -14,6 +14,7 @@ from the compiled model back to it (:mod:`numatp.backend.registry`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -21,28 +22,31 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
 from numatp.backend.core import NumaTPBackend
-from numatp.backend.options import AUTO_MEASURE, Options
-from numatp.backend.registry import backend_of, compiled_by_numatp, numatp_backend
+from numatp.backend.options import AUTO_MEASURE, OPTION_NAMES, Options, unknown_names
+from numatp.backend.registry import NOT_RUN, BackendOptionError, backend_of, compiled_by_numatp, numatp_backend
 from numatp.generate import generate
 from numatp.plan.schema import Plan
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
-__all__ = ["CompiledModel", "backend_of", "compile", "compiled_by_numatp", "numatp_backend", "placement_report",
-           "plans"]
+__all__ = ["BackendOptionError", "CompiledModel", "backend_of", "compile", "compiled_by_numatp", "numatp_backend",
+           "placement_report", "plans"]
 
 log = logging.getLogger("numatp")
+
 
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",
             mode: str = "inductor", strict_placement: bool = False,
             gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE,
-            plan: Any = None, check: bool = False) -> torch.nn.Module:
+            plan: Any = None, check: bool = False, **unknown: Any) -> torch.nn.Module:
     """``torch.compile(model)`` with NUMA-aware tensor parallelism over ``sockets``.
 
-    ``sockets``: None uses the detected topology; an int N its first N sockets (N virtual sockets on a
-    single-node machine); or a :class:`numatp.Topology`. ``policy``: "always" shards every block numatp
-    understands, "never" none (the graph runs unsharded on all cores), "auto" asks the cost
-    model per block and shards the whole graph or none of it; where its two predictions lie within
+    ``sockets``: None uses the detected sockets, or 2 virtual sockets on a one-node machine with 2 or more
+    usable CPUs (:func:`numatp.topology.default_topology`, the rule of the registered backend and of every
+    ``numatp`` command too); an int N the first N sockets (N virtual sockets on a one-node machine); or a
+    :class:`numatp.Topology`. Each compile logs one line saying which (``numatp.set_progress``).
+    ``policy``: "always" shards every block numatp understands, "never" none (the graph runs unsharded
+    on all cores), "auto" asks the cost model per block and shards the whole graph or none of it; where its two predictions lie within
     ``auto_measure`` (a fraction) of each other, both plans are built and the first call keeps the one
     it measures faster. ``mode="eager"`` skips Inductor (debugging). ``gemm``: pick each weight matmul's
     kernel (MKL, oneDNN, packed or not) by measuring it on this CPU (``True``, or :class:`GemmOptions`),
@@ -51,11 +55,26 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     values colwise, rowwise, replicate, vocab; see :mod:`numatp.plan.tp_plan`), or ``"hf"`` for the model's
     own tp_plan; ``numatp.plans(compiled)[i].to_tp_plan()`` gives a plan back in the same form. ``check``:
     check the contracts between the pipeline's steps as each graph is built (debugging; see
-    :mod:`numatp.plan.contracts`).
+    :mod:`numatp.plan.contracts`). An unknown keyword is a TypeError that lists the valid ones and the
+    closest (``polcy`` -> ``policy``).
+
+    The first call with an input shape builds its socket programs (tens of seconds: tracing, GEMM
+    measurement, Inductor); numatp's progress lines say what it is doing (``numatp.set_progress``).
 
     The same options work as ``torch.compile(model, backend="numatp", options={"sockets": 2, ...})``.
     Input shapes are static here (``dynamic=False``): each new shape compiles its own programs.
+
+    Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` (8) compiled entries per code object,
+    and by default every ``torch.compile`` of one model class shares them: a few compiles of one model in
+    a process would use up the limit and leave a later one (a generation's decode step) running eagerly.
+    Each ``numatp.compile`` therefore counts its own entries (``torch.compile(...,
+    isolate_recompiles=True)``, torch 2.13 on): up to the limit per compiled model, whatever else was
+    compiled. ``torch.compile(model, backend="numatp")`` shares the limit unless given
+    ``isolate_recompiles=True`` itself.
     """
+    if unknown:
+        raise TypeError(f"numatp.compile() got unknown keyword argument(s) {unknown_names(sorted(unknown))}; "
+                        f"it takes {', '.join(OPTION_NAMES)} (see help(numatp.compile))")
     if plan == "hf":
         from numatp.plan.tp_plan import hf_tp_plan
         plan = hf_tp_plan(model)
@@ -65,10 +84,15 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     backend = NumaTPBackend.from_options(options, names=names)
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an
     # attribute on the result would land on ``model`` itself, and on every later compile of it
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    compiled = torch.compile(model, backend=backend, dynamic=False, **_ISOLATED)
     if type(compiled) is OptimizedModule:
         compiled.__class__ = CompiledModel
     return compiled
+
+
+# this compile's own count of Dynamo's compiled entries (see compile's docstring), where torch has it
+_ISOLATED = ({"isolate_recompiles": True}
+             if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
 
 class CompiledModel(OptimizedModule):
@@ -82,12 +106,23 @@ class CompiledModel(OptimizedModule):
         return generate(self, input_ids, attention_mask, **kwargs)
 
 
+def _run(compiled: Any) -> NumaTPBackend:
+    """The backend of a compiled model that has run; the same error before its first call, whichever
+    way it was compiled (the registered backend does not exist before then)."""
+    backend = backend_of(compiled)
+    if not backend.graphs:
+        raise ValueError(NOT_RUN)
+    return backend
+
+
 def plans(compiled: Any) -> list[Plan]:
     """The plan of every program a compiled model has run: one per Dynamo graph and input signature,
-    in the order they were built (``explain`` prints the same plans without compiling)."""
-    return backend_of(compiled).plans
+    in the order they were built (``explain`` prints the same plans without compiling). Before the
+    model's first call there is none: a ValueError says to call it once, for either entry point."""
+    return _run(compiled).plans
 
 
 def placement_report(compiled: Any) -> dict[str, Any]:
-    """Where each socket's weights are: ``{"ranks": [{"socket", "node", "pages": {node: n}}], "local_fraction"}``."""
-    return backend_of(compiled).weights.report()
+    """Where each socket's weights are: ``{"ranks": [{"socket", "node", "pages": {node: n}}], "local_fraction"}``.
+    Before the model's first call a ValueError says to call it once, as :func:`plans` does."""
+    return _run(compiled).weights.report()

@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from numatp.plan.gemm_pass import GemmOptions
-from numatp.topology import Topology
+from numatp.topology import Topology, resolve_sockets
 
-__all__ = ["AUTO_MEASURE", "POLICIES", "Options", "resolve_topology"]
+__all__ = ["AUTO_MEASURE", "OPTION_NAMES", "POLICIES", "Options", "resolve_topology", "unknown_names"]
 
 AUTO_MEASURE = 0.15
 """policy "auto": where the cost model predicts the sharded and unsharded plans within this fraction of
@@ -29,8 +29,9 @@ class Options:
     """The options of one compile; every field is also a key of ``torch.compile``'s ``options=``."""
 
     sockets: None | int | Topology = None
-    """None: the detected topology; N: its first N sockets (N virtual sockets on a one-node machine);
-    or a :class:`numatp.Topology`."""
+    """None: the detected sockets, or 2 virtual sockets on a one-node machine with 2 or more usable CPUs
+    (:func:`numatp.topology.default_topology`); N: the first N sockets (N virtual sockets on a one-node
+    machine); or a :class:`numatp.Topology`."""
     policy: str = "always"
     """"always" shards every block numatp understands, "never" none (one program on all cores), "auto"
     asks the cost model and shards the whole graph or none of it."""
@@ -80,12 +81,28 @@ class Options:
     def from_dict(cls, options: Mapping[str, Any] | None) -> Options:
         """``torch.compile``'s ``options=``; a key that is not an option is an error naming the valid ones."""
         options = dict(options or {})
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(k for k in options if k not in valid)
+        unknown = sorted((k for k in options if k not in OPTION_NAMES), key=str)
         if unknown:
-            raise ValueError(f"backend 'numatp' got unknown option(s) {unknown}; its options are "
-                             f"{', '.join(valid)} (see help(numatp.compile))")
+            raise ValueError(f"backend 'numatp' got unknown option(s) {unknown_names(unknown)}; its options are "
+                             f"{', '.join(OPTION_NAMES)} (see help(numatp.compile))")
         return cls(**options)
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options))
+"""Every option of a compile, in the order ``help(numatp.compile)`` gives them."""
+
+
+def unknown_names(unknown: list[str]) -> str:
+    """``['polcy'] (did you mean 'policy'?)``: the unknown keys, each with the closest option where one is close."""
+    import difflib
+
+    hints = [f"{k!r} -> {m[0]!r}" for k in unknown
+             for m in [difflib.get_close_matches(str(k), OPTION_NAMES, n=1, cutoff=0.6)] if m]
+    if not hints:
+        return str(unknown)
+    if len(unknown) == 1:
+        return f"{unknown} (did you mean {hints[0].split(' -> ')[1]}?)"
+    return f"{unknown} (did you mean {', '.join(hints)}?)"
 
 
 def _check_sockets(s: object) -> None:
@@ -94,17 +111,8 @@ def _check_sockets(s: object) -> None:
 
 
 def resolve_topology(sockets: None | int | Topology) -> Topology:
-    """The topology to run on: detected (``None``), its first N sockets, or N virtual sockets on a one-node machine."""
+    """The topology to run on (:func:`numatp.topology.resolve_sockets`, the rule every entry point shares):
+    None gives the detected sockets, or 2 virtual sockets on a one-node machine with 2 or more CPUs; N the
+    first N sockets, or N virtual sockets on a one-node machine."""
     _check_sockets(sockets)
-    if isinstance(sockets, Topology):
-        return sockets
-    detected = Topology.detect()
-    if sockets is None:
-        return detected
-    if detected.num_sockets == 1 and sockets > 1:
-        return Topology.virtual(sockets=sockets)
-    if sockets > detected.num_sockets:
-        raise ValueError(f"sockets={sockets}: this machine has {detected.num_sockets} usable sockets "
-                         f"(see `numatp topo`); pass at most {detected.num_sockets}, or a "
-                         "numatp.Topology.virtual(...) to try more")
-    return Topology(detected.nodes, detected.sockets[:sockets], detected.allowed_cpus, detected.is_virtual)
+    return resolve_sockets(sockets)

@@ -17,11 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo.exc import ShortenTraceback
 
 from numatp.backend.core import NumaTPBackend
 from numatp.backend.options import Options
 
-__all__ = ["backend_of", "compiled_by_numatp", "numatp_backend"]
+__all__ = ["NOT_RUN", "BackendOptionError", "backend_of", "compiled_by_numatp", "numatp_backend"]
 
 log = logging.getLogger("numatp")
 
@@ -33,12 +34,17 @@ def numatp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, optio
     """Entry point of ``torch.compile(model, backend="numatp", options={...})``: the options of
     :func:`compile` (an unknown key is an error), one backend per ``torch.compile`` call."""
     if mode not in (None, "default"):
-        raise ValueError(f"torch.compile(..., backend='numatp', mode={mode!r}): numatp takes no torch.compile "
-                         "mode; drop mode= and pass numatp's own choices as options={'policy': ..., 'gemm': ...}")
+        raise _first_call_error(f"torch.compile(..., backend='numatp', mode={mode!r}): numatp takes no "
+                                "torch.compile mode; drop mode= and pass numatp's own choices as "
+                                "options={'policy': ..., 'gemm': ...}")
     wrapper = _calling_wrapper()
     backend = getattr(wrapper, _ATTR, None)
     if backend is None:
-        backend = NumaTPBackend.from_options(Options.from_dict(options))
+        try:
+            checked = Options.from_dict(options)
+        except (TypeError, ValueError) as e:
+            raise _first_call_error(str(e)) from e
+        backend = NumaTPBackend.from_options(checked)
         if wrapper is not None:
             setattr(wrapper, _ATTR, backend)
         else:
@@ -46,6 +52,26 @@ def numatp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, optio
             # to hold a backend, so the graph gets its own
             log.info("numatp: backend called outside torch.compile; this graph gets a backend of its own")
     return backend(gm, example_inputs)
+
+
+class BackendOptionError(ShortenTraceback, ValueError):
+    """A bad ``options=`` or ``mode=`` of ``torch.compile(..., backend="numatp")``. torch hands a registered
+    backend its options only when Dynamo compiles the first graph, at the model's first call, so they
+    are checked then; Dynamo passes this error on as raised (a ``ShortenTraceback``), so its message is the
+    first line the user reads, not a ``BackendCompilerFailed`` wrapper's."""
+
+    def __init__(self, message: str):
+        super().__init__(message, first_useful_frame=None)
+
+
+def _first_call_error(message: str) -> BackendOptionError:
+    return BackendOptionError(f"{message}; checked at the model's first call: torch.compile hands a registered "
+                              "backend its options only then")
+
+
+NOT_RUN = ("this model has not run yet: numatp builds a model's socket programs, and places their weights, "
+           "on its first call, for that call's input shapes; call it once (compiled(input_ids)), then ask "
+           "for its plans or placement")
 
 
 def _calling_wrapper() -> Any:
@@ -68,8 +94,7 @@ def backend_of(compiled: Any) -> NumaTPBackend:
     if found is not None:
         return found
     if registered:
-        raise ValueError("this model was compiled with backend='numatp' but has not run yet: call it once, "
-                         "then ask for its plans or placement")
+        raise ValueError(NOT_RUN)
     raise ValueError(f"{type(compiled).__name__} was not compiled by numatp: pass the model returned by "
                      "numatp.compile(model) or torch.compile(model, backend='numatp')")
 

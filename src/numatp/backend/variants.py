@@ -22,6 +22,7 @@ from numatp.backend.states import StateStore
 from numatp.backend.weights import WeightStore
 from numatp.plan import pipeline
 from numatp.plan.schema import Plan, Reason, Replicate
+from numatp.progress import inputs_text, step
 from numatp.runtime.executor import ShardedExecutor
 from numatp.plan.gemm_pass import GemmSelector
 from numatp.runtime.group import SocketGroup
@@ -49,6 +50,7 @@ class Backend(Protocol):
     states: StateStore
     gemm: GemmSelector | None
     calls: int
+    graphs: list[Any]
     state_policy: str | None
     """How every graph that writes a cache runs (prefill and decode must agree): fixed by the first."""
 
@@ -123,6 +125,7 @@ class CompiledGraph:
         # (eps, dropout p, scaling) to 0-d tensor inputs; a variant is specialised to their values
         self.scalars = _item_inputs(gm)
         self._fast: _Fast | None = None
+        self.index = len(backend.graphs)   # for progress lines: the backend's graphs in build order
 
     def __call__(self, *args: Any) -> Any:
         self.backend.calls += 1
@@ -133,7 +136,11 @@ class CompiledGraph:
                 return variant(*args)
         key = self._key(args, range(len(args)))
         with self._lock:
-            variant = self.variants.get(key) or self._build(key, list(args))
+            variant = self.variants.get(key)
+            if variant is None:
+                with step("building socket programs for graph %d, inputs %s", self.index, inputs_text(args),
+                          done=f"graph {self.index}:"):
+                    variant = self._build(key, list(args))
             self._remember(args, key, variant)
         return variant(*args)
 

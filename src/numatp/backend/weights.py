@@ -10,7 +10,6 @@ its weights stay where the model put them, as under plain ``torch.compile``.
 from __future__ import annotations
 
 import errno
-import warnings
 from typing import Any
 
 import torch
@@ -28,11 +27,9 @@ class WeightStore:
     def __init__(self, topology: Topology, *, strict: bool = False, place: bool = True):
         self.topology = topology
         self.strict = strict
-        self.wants_place = place
         self.place = place and not topology.is_virtual
         self._made: dict[tuple, torch.Tensor] = {}
         self._keep: list[Any] = []   # the source tensors of the keys above stay alive while we use their id
-        self._warned = False
 
     def get(self, param: torch.Tensor, b: Binding, rank: int) -> torch.Tensor:
         p = b.placement
@@ -45,9 +42,7 @@ class WeightStore:
             self._keep.append(param)
             with torch.no_grad():
                 local = shard_tensor(param.detach(), p, rank)
-                if not self.place:
-                    if self.wants_place:
-                        self._note_virtual()
+                if not self.place:   # virtual sockets: the compile's log line says weights are not placed
                     local = local.contiguous()
                 else:
                     local = numa_clone(local, self.topology.sockets[rank].node, strict=self.strict)
@@ -70,12 +65,6 @@ class WeightStore:
         """Forget every weight made after ``mark`` (a variant that was built, then not kept)."""
         for key in [k for k in self._made if k not in mark]:
             del self._made[key]
-
-    def _note_virtual(self) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn("numatp: virtual sockets share one memory node; weights are not placed with mbind",
-                          stacklevel=4)
 
     def report(self) -> dict[str, Any]:
         """Pages per node of each socket's weights (a plain weight kept beside a prompt's packed copy

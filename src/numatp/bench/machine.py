@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from numatp.topology import Topology
+from numatp.topology import Topology, resolve_sockets
 
 __all__ = [
     "COMPILE_OVERHEAD_BYTES",
@@ -28,18 +28,11 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def resolve_ranks(sockets: int | None, machine: Topology) -> Topology:
-    """The topology numatp runs on for ``--sockets`` on ``machine`` (the detected topology).
-
-    None: the machine's sockets, or 2 virtual sockets where it has a single one, so a one-node
-    machine still measures the multi-socket path. An int N: what ``numatp.compile(sockets=N)``
-    runs on (``numatp.backend.resolve_topology``: the first N sockets, or N virtual sockets on a
-    one-node machine).
-    """
-    if sockets is None:
-        return machine if machine.num_sockets >= 2 else Topology.virtual(sockets=2, cpus=machine.allowed_cpus)
-    from numatp.backend import resolve_topology  # imports torch: the child calls this after its policy is set
-
-    return resolve_topology(sockets)
+    """The topology numatp runs on for ``--sockets`` on ``machine`` (the detected topology): the rule of
+    ``numatp.compile`` (:func:`numatp.topology.resolve_sockets`). None: the machine's sockets, or 2
+    virtual sockets on a one-node machine with 2 or more CPUs; N: the first N sockets, or N virtual
+    sockets on a one-node machine."""
+    return resolve_sockets(sockets, machine=machine)
 
 
 def cpu_model(cpuinfo: str | Path = "/proc/cpuinfo") -> str:

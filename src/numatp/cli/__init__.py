@@ -3,13 +3,15 @@
 Environment variables are read here and nowhere deeper in the library. A command fails with one line on
 stderr and exit code 2 for a bad argument (a model name, a path, a value out of range); ``--debug`` shows
 the traceback as well. Torch and transformers are imported inside the commands that need them, so that
-``--help`` and ``numatp topo`` start in a fraction of a second.
+``--help`` and ``numatp topo`` start in a fraction of a second. ``NUMATP_PROGRESS=0|1`` turns numatp's progress lines off or on
+(default: on where stderr is a terminal).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 import warnings
@@ -65,6 +67,7 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _progress_from_env()
     debug = bool(getattr(args, "debug", False))
     with warnings.catch_warnings():   # restores the caller's showwarning: main is also called in-process
         if not debug:
@@ -87,6 +90,16 @@ def _run(args: argparse.Namespace, debug: bool) -> int:
     except Exception as e:
         hint = "" if debug else " (run again with --debug for the traceback)"
         return _fail(args.command, f"{type(e).__name__}: {_one_line(str(e))}{hint}", debug=debug, code=1)
+
+
+def _progress_from_env() -> None:
+    """``NUMATP_PROGRESS=1`` prints numatp's progress lines on stderr even into a file or a pipe, ``0`` never;
+    unset: where stderr is a terminal (:func:`numatp.set_progress`)."""
+    from numatp.progress import set_progress
+
+    value = os.environ.get("NUMATP_PROGRESS", "").strip().lower()
+    if value:
+        set_progress(value not in ("0", "false", "no", "off"))
 
 
 if __name__ == "__main__":

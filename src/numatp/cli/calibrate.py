@@ -29,8 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "picks providers from), e.g. after they were measured on a busy machine; no profile")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--sockets", type=int, metavar="N", default=None,
-                       help="sockets to profile, resolved as demo, generate and bench resolve --sockets (default: the "
-                       "sockets those commands run, so the profile describes them)")
+                       help="socket count (default: numatp's, the detected sockets, or 2 virtual ones on a "
+                       "one-node machine); N: the first N sockets, or N virtual ones on a one-node machine")
     group.add_argument("--virtual", type=int, metavar="N", default=None,
                        help="measure a virtual N-socket topology (this process's CPUs split N ways)")
     parser.set_defaults(run=run)
@@ -38,15 +38,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from numatp.bench.machine import resolve_ranks
     from numatp.cost.calibrate import measure_gemm_ceilings, measure_profile  # imports torch: only here
-    from numatp.topology import Topology
+    from numatp.topology import Topology, resolve_sockets
 
-    if args.sockets is not None and args.sockets < 1:
-        raise SystemExit(f"numatp calibrate: --sockets {args.sockets}: must be >= 1")
-    # the sockets numatp runs on (as demo, generate and bench resolve them), so the profile describes them
-    topo = Topology.virtual(sockets=args.virtual) if args.virtual is not None \
-        else resolve_ranks(args.sockets, Topology.detect())
+    try:   # numatp.compile's sockets (numatp.topology.resolve_sockets) unless --virtual
+        topo = Topology.virtual(sockets=args.virtual) if args.virtual is not None else resolve_sockets(args.sockets)
+    except ValueError as e:
+        raise SystemExit(f"numatp calibrate: {e}") from e
     start = time.perf_counter()
 
     def progress(msg: str) -> None:

@@ -20,7 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "socket, and the cross-socket reductions. The socket programs are built as numatp.compile builds "
         "them and stop before compiling; nothing is placed.")
     p.add_argument("model", help="preset name (numatp.zoo.PRESETS) or checkpoint folder")
-    p.add_argument("--sockets", type=int, default=2, help="socket count to plan for (default 2)")
+    p.add_argument("--sockets", type=int, default=None,
+                   help="socket count to plan for (default: numatp's, the detected sockets, or 2 virtual ones "
+                   "on a one-node machine)")
     p.add_argument("--batch", type=int, default=1, help="batch size of the traced prefill (default 1)")
     p.add_argument("--seq", type=int, default=128, help="sequence length of the traced prefill (default 128)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
@@ -46,13 +48,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, policy: str = "always",
+def explain(model_name: str, *, sockets: int | None, batch: int, seq: int, dtype: str, policy: str = "always",
             tiny: bool = False, gemm: bool = False, tp_plan: str | dict | None = None, check: bool = False) -> dict:
     import torch
 
     from numatp import zoo
     from numatp.plan import Colwise, Rowwise, capture, hf_tp_plan, parse_tp_plan, pipeline
 
+    if sockets is None:   # numatp.compile's default (numatp.topology.default_topology)
+        from numatp.topology import resolve_sockets
+        sockets = resolve_sockets(None).num_sockets
     model = zoo.build(model_name, tiny=tiny, dtype=getattr(torch, dtype))
     given = None
     if tp_plan is not None:

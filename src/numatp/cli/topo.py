@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from numatp.topology import Topology, format_cpulist
+from numatp.topology import Topology, default_topology, format_cpulist
 
 __all__ = ["add_parser", "render"]
 
@@ -101,10 +101,13 @@ def render(topo: Topology) -> str:
                     [[str(a), *(str(topo.nodes[i].distances.get(b, "-")) for b in ids)]
                      for i, a in enumerate(ids)])
 
-    lines += ["", f"Sockets numatp would use: {topo.num_sockets}"]
+    used = topo if topo.is_virtual else default_topology(topo)   # numatp.compile's default here
+    lines += ["", f"Sockets numatp would use: {used.num_sockets}" + (
+        " (virtual: one node's CPUs split in two; sockets=1 runs one)" if used.is_virtual and not topo.is_virtual
+        else "")]
     lines += _table(["socket", "memory node", "CPUs", "count"],
                     [[str(s.index), str(s.node), format_cpulist(s.cpus), str(len(s.cpus))]
-                     for s in topo.sockets])
+                     for s in used.sockets])
     lines += ["", f"CPUs this process may use: {format_cpulist(topo.allowed_cpus)} "
               f"({len(topo.allowed_cpus)})"]
     lines += [f"Note: {note}" for note in topo.notes]

@@ -43,6 +43,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from numatp.progress import step as progress_step
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, PackInfo, Provider, best_provider,
                                  stand_in, streams)
 from numatp.plan.lower import gather_in_place
@@ -344,7 +345,9 @@ class GemmSelector:
             return
         # every socket measures its own shapes at the same time, so each rate is taken under the load
         # of the other sockets, as in a real call
-        found = group.run(lambda rank: self.table.measure_missing(wanted[rank], providers, again=again))
+        shapes = len({s for w in wanted for s in w if s in again or self.table.get(s) is None})
+        with progress_step("measuring GEMM providers for %d shapes on %d socket(s)", shapes, len(wanted)):
+            found = group.run(lambda rank: self.table.measure_missing(wanted[rank], providers, again=again))
         self._timed |= {s for w in wanted for s in w}
         merged: dict[GemmShape, dict[str, float]] = {}
         for rates in found:

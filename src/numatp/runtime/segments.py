@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from numatp.progress import step as progress_step
+
 __all__ = ["Segment", "Collective", "GatheredMatmul", "SegmentCompiler", "place"]
 
 
@@ -134,7 +136,8 @@ class SegmentCompiler:
             # the segment was compiled for a stand-in of the weight's plain shape, which only the
             # provider's op reads
             patches = {"cpp_wrapper": True, "cpp.threads": threads, "size_asserts": False}
-            with torch.no_grad():
+            with torch.no_grad(), progress_step("Inductor: compiling a segment of %d nodes for %d thread(s)",
+                                       len(seg.gm.graph.nodes), threads):
                 fn = compile_fx(seg.gm, seg.example, config_patches=patches)
         with self._lock:
             self._cache.setdefault(k, fn)

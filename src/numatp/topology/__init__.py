@@ -8,6 +8,7 @@ it before starting OpenMP work.
 from __future__ import annotations
 
 from numatp.topology.cpulist import format_cpulist, parse_cpulist
+from numatp.topology.default import default_topology, resolve_sockets
 from numatp.topology.model import NumaNode, Socket, Topology
 
-__all__ = ["NumaNode", "Socket", "Topology", "format_cpulist", "parse_cpulist"]
+__all__ = ["NumaNode", "Socket", "Topology", "default_topology", "format_cpulist", "parse_cpulist", "resolve_sockets"]
