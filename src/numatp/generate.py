@@ -199,17 +199,13 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
 
 @contextlib.contextmanager
 def _decode_ahead(backend: Any, rows: int, steps: int):
-    """Tell numatp's GEMM selector, while the prompt and decode programs compile, that ``steps`` decode
-    steps of ``rows`` rows follow the prompt: it then chooses each weight's providers for both."""
-    selector = getattr(backend, "gemm", None)
-    if selector is None:
+    """Tell numatp's backend, while the prompt and decode programs compile, that ``steps`` decode steps of
+    ``rows`` rows follow the prompt: its GEMM choice then chooses each weight's providers for both."""
+    if getattr(backend, "gemm", None) is None:
         yield
         return
-    previous, selector.decode = selector.decode, (rows, steps)
-    try:
+    with backend.decode_ahead(rows, steps):
         yield
-    finally:
-        selector.decode = previous
 
 
 def _not_through_numatp(step: int, prompt: int, padded: int, length: int) -> str:

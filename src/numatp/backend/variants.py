@@ -239,7 +239,8 @@ class CompiledGraph:
         programs = [localize(ag, plan, r) for r in range(n)]
         bindings = [p.bindings for p in programs]
         local = [_bind(store, states, bindings[r], args, r) for r in range(n)]
-        executor = ShardedExecutor(group, b.compiler, gemm=b.gemm)
+        gemm = None if b.gemm is None else b.gemm.bind(store, decode=b.decode)
+        executor = ShardedExecutor(group, b.compiler, gemm=gemm)
         executor.build([p.gm for p in programs], local,
                        weights=[p.weight_indices for p in programs])
         for r, swaps in enumerate(executor.swaps):

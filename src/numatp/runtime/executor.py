@@ -36,7 +36,7 @@ import torch.fx
 from numatp.plan.attention_pass import fuse_single_query_attention
 from numatp.plan.reference import place
 from numatp.runtime.collective import rehearsal
-from numatp.runtime.gemm import GemmStep, stand_in
+from numatp.runtime.gemm import GemmStep
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import Collective, Segment, SegmentCompiler, split_program
 
@@ -107,7 +107,8 @@ class ShardedExecutor:
             self.gemm_choices = list(self.gemm.choices)
         for rank, (gm, args) in enumerate(zip(local_gms, local_args)):
             fuse_single_query_attention(gm)
-            placeholders, steps, outs = split_program(gm, [stand_in(a) for a in args], sockets=self.group.size)
+            placeholders, steps, outs = split_program(gm, [self.gemm.stand_in(a) if self.gemm else a for a in args],
+                                                     sockets=self.group.size)
             threads = len(self.group.topology.sockets[rank].cpus)
             for s in steps:
                 if isinstance(s, Segment):

@@ -54,7 +54,7 @@ def compiler() -> str:
 
 def build(sources: tuple[str, ...] = SOURCES) -> Path:
     """The shared library compiled from ``sources`` (files beside this module)."""
-    from numatp.runtime.gemm import cpu_signature
+    from numatp.topology.resources import cpu_signature
 
     srcs = [_HERE / s for s in sources]
     cxx = compiler()

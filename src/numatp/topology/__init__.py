@@ -9,5 +9,6 @@ from __future__ import annotations
 
 from numatp.topology.cpulist import format_cpulist, parse_cpulist
 from numatp.topology.model import NumaNode, Socket, Topology
+from numatp.topology.resources import MachineFacts
 
-__all__ = ["NumaNode", "Socket", "Topology", "format_cpulist", "parse_cpulist"]
+__all__ = ["MachineFacts", "NumaNode", "Socket", "Topology", "format_cpulist", "parse_cpulist"]
