@@ -183,4 +183,5 @@ def test_processes_writing_the_table_at_once_keep_each_others_rates(tmp_path):
         w.join(300)
         assert w.exitcode == 0
     entries = GemmTable(tmp_path, signature="test-cpu").entries
-    assert sorted(GemmShape.from_key(k).m for k in entries) == [*range(1000, 1000 + WRITES), *range(2000, 2000 + WRITES)]
+    want = [*range(1000, 1000 + WRITES), *range(2000, 2000 + WRITES)]
+    assert sorted(GemmShape.from_key(k).m for k in entries) == want

@@ -41,7 +41,7 @@ from numatp.plan.gemm_choice import Decode, GemmChoice, GemmOptions, Prior, choo
 from numatp.plan.gemm_sites import Site, find_sites
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, MachineFacts, PackInfo,
                                  PreparedOperands, Provider, measure_missing, stand_in)
-from numatp.runtime.gemm.measure import Measure
+from numatp.runtime.gemm.measurement import Measure
 
 __all__ = ["BoundSelector", "Decode", "GemmChoice", "GemmOptions", "GemmSelector", "OperandRecord", "report_rows"]
 
@@ -92,7 +92,8 @@ class GemmSelector:
 
     def apply(self, group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]], weights: list[set[int]],
               *, decode: Decode | None = None, operands: OperandRecord | None = None,
-              ) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list[dict[int, tuple]], list[dict[int, torch.Tensor]]]:
+              ) -> tuple[list[torch.fx.GraphModule], list[list[Any]], list[dict[int, tuple]],
+                         list[dict[int, torch.Tensor]]]:
         """Rewritten programs, their arguments (prepared operands in place of plain shards), per rank
         ``{argument index: (plain, operand)}`` for the weights whose operand is new (the caller passes it
         from then on; ``operands`` has recorded it), and per rank ``{argument index: plain}`` for the

@@ -75,6 +75,8 @@ def find_sites(gm: torch.fx.GraphModule, args: list[Any], weights: set[int], thr
 
 def _site(node: torch.fx.Node, w: torch.fx.Node, ph: torch.fx.Node, layout: str, threads: int,
           gathers: bool, weight_bytes: int, llc_bytes: int) -> Site | None:
+    x: Any
+    bias: Any
     if node.target is aten.mm.default and node.args[1] is w and node.args[0] is not w:
         x, bias = node.args[0], None
     elif (node.target is aten.addmm.default and node.args[2] is w and not node.kwargs

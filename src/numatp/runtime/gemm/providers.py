@@ -4,7 +4,7 @@ A weight matmul of a socket program is ``y (M, N) = x (M, K) @ W (K, N) [+ b]``,
 either ``"nk"`` (``nn.Linear``: ``(N, K)``, the graph reads it through ``permute([1, 0])``) or ``"kn"``
 (GPT-2 ``Conv1D``). torch ships several kernels for it, and which is fastest depends on the CPU, the
 dtype, the shape and the thread count (on an AVX2-only EPYC, an AVX-512 Xeon and an AVX-512 EPYC the
-answers differ), so numatp measures them (:mod:`numatp.runtime.gemm.measure`):
+answers differ), so numatp measures them (:mod:`numatp.runtime.gemm.measurement`):
 
 - ``aten``: ``torch.mm`` / ``addmm``, what Inductor calls by default (MKL for fp32 on x86);
 - ``onednn``: ``mkldnn._linear_pointwise`` on the plain weight;
@@ -55,8 +55,8 @@ class GemmShape:
     any other provider by a copy of its own output, so the rates compare what the gather will run."""
     stream: bool = False
     """The weight comes from memory, not cache, at every call: a decode step's few rows in a program whose
-    weights outgrow the cache (:func:`numatp.runtime.gemm.measure.streams`). Timed on a ring of copies
-    (:func:`numatp.runtime.gemm.measure.measure_all`)."""
+    weights outgrow the cache (:func:`numatp.runtime.gemm.measurement.streams`). Timed on a ring of copies
+    (:func:`numatp.runtime.gemm.measurement.measure_all`)."""
 
     @property
     def key(self) -> str:

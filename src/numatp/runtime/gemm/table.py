@@ -32,7 +32,7 @@ default_cache_dir = cache_dir  # ``~/.cache/numatp``, or as numatp._cache.cache_
 TABLE_FORMAT = 4
 """Part of the table's file name: a change of how rates are measured starts a new table (2: shapes of
 few rows are timed streaming their weight; 3: a streamed rate is the mean over the ring's copies, see
-:func:`~numatp.runtime.gemm.measure.measure_all`; 4: ``mkl_packed`` writes a gathered matmul's columns in
+:func:`~numatp.runtime.gemm.measurement.measure_all`; 4: ``mkl_packed`` writes a gathered matmul's columns in
 place), so no choice compares rates taken one way against rates taken the other."""
 
 
