@@ -22,7 +22,7 @@ import transformers
 from transformers import PretrainedConfig
 from transformers.initialization import no_init_weights
 
-from numatp.topology.resources import memory_available as _available_bytes
+from numatp.topology.resources import MachineFacts
 from numatp.zoo._presets import FULL, MLP_KIND, TINY
 
 __all__ = ["PRESETS", "build", "can_generate", "config", "describe", "example_inputs"]
@@ -131,11 +131,12 @@ def _check_attn(attn_implementation: str) -> None:
         )
 
 
-def _check_memory(name: str, cfg: PretrainedConfig, *, head: bool, dtype: torch.dtype) -> None:
-    """Refuse, with the way out, to build random weights that would not fit in this machine's free memory
-    (building would be killed by the kernel instead)."""
+def _check_memory(name: str, cfg: PretrainedConfig, *, head: bool, dtype: torch.dtype,
+                  machine: MachineFacts | None) -> None:
+    """Refuse, with the way out, to build random weights that would not fit in the machine's free memory
+    (``machine``: this one now where None; building would be killed by the kernel instead)."""
     need = _count_parameters(cfg, head=head) * torch.empty(0, dtype=dtype).element_size()
-    free = _available_bytes()
+    free = (machine or MachineFacts.detect()).memory_available
     if free is not None and need > 0.9 * free:
         raise MemoryError(
             f"{name!r} in {str(dtype).removeprefix('torch.')} needs {need / 2**30:.1f} GiB of weights and this "
@@ -152,6 +153,7 @@ def build(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     attn_implementation: str = "sdpa",
+    machine: MachineFacts | None = None,
 ) -> torch.nn.Module:
     """Build a preset with random weights, or load a local checkpoint, in eval mode and ``dtype``.
 
@@ -159,7 +161,8 @@ def build(
     ``Gemma3ForCausalLM``, ``LlamaForCausalLM``); ``head=False`` the base model. Weights are
     deterministic by ``seed``; tied embeddings (GPT-2, Gemma) stay tied. KV caching is off.
     A folder with a ``config.json`` is loaded with ``from_pretrained`` (``AutoModelForCausalLM``,
-    ``AutoModelForMaskedLM`` for BERT, or ``AutoModel`` when ``head=False``).
+    ``AutoModelForMaskedLM`` for BERT, or ``AutoModel`` when ``head=False``). Random weights that would
+    not fit in the memory ``machine`` has available (this machine's now, where None) are refused first.
     """
     _check_attn(attn_implementation)
     if name_or_path not in FULL and _is_checkpoint(name_or_path):
@@ -178,7 +181,7 @@ def build(
 
     cfg = _resolve_config(name_or_path, tiny=tiny)
     cls = _model_class(cfg, head=head)
-    _check_memory(name_or_path, cfg, head=head, dtype=dtype)
+    _check_memory(name_or_path, cfg, head=head, dtype=dtype, machine=machine)
     # Skip torch's and transformers' default init (slow kaiming_uniform over ~1B parameters);
     # _fill_random then writes every parameter once.
     with no_init_weights():
