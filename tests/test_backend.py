@@ -49,8 +49,12 @@ def test_runtime_equals_eager(family, dtype, sockets):
     *_, compiled, expected, actual = _eager_and_compiled(family, dtype, sockets, "eager")
     assert_close_to_eager(actual, expected, f"{family} {dtype} {sockets} sockets")
     rows = backend_of(compiled).gemm_report()
-    assert rows  # on by default: every weight matmul got a measured choice
-    assert all(r["gflops"] for r in rows)
+    assert rows  # on by default: every weight matmul got a choice
+    # a provider other than ATen is chosen on a measured rate only; ATen, the graph unchanged, is also what
+    # stays where a measurement failed (a loaded machine may time a tiny matmul at a few MFLOP/s: a rate
+    # still, kept as measured, never 0)
+    assert all(r["gflops"] > 0 for r in rows if r["provider"] != "aten")
+    assert all(r["gflops"] is None or r["gflops"] > 0 for r in rows)
 
 
 def test_inductor_one_socket_is_cut_once_per_layer():

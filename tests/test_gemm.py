@@ -18,7 +18,7 @@ from numatp.runtime.native import load_ops
 from numatp.runtime.segments import Collective, Segment
 from numatp.backend import backend_of
 from numatp.plan.gemm_pass import GemmOptions
-from numatp.topology import Topology
+from numatp.topology import MachineFacts, Topology
 from tests.helpers import all_gathers, assert_close_to_eager
 
 pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
@@ -131,7 +131,7 @@ def test_native_linear_takes_each_providers_operand():
             bias = torch.randn(40, generator=g).to(dtype)
             p = PROVIDERS[provider]
             op = p.prepare(w, 5)
-            operand = _prepare(p, stored, 5, layout)
+            operand, _ = _prepare(p, stored, 5, layout)
             for b in (bias, None):
                 want = p.call(x, op, b, 40, 24)
                 got = torch.ops.numatp.linear(x, operand, b, gemm_mod.native_code(provider, layout), 40, 24)
@@ -278,8 +278,9 @@ def test_generation_chooses_each_weights_providers_for_the_prompt_and_the_decode
         assert len(decode) == 1
         for r, reads in enumerate(decode[0].executor.reads):
             for i, plain in reads.items():
-                assert getattr(plain, "_numatp_gemm", None) is None and decode[0].weights[r][i] is plain
-        kept = [t._numatp_gemm.plain for t in both.weights._made.values() if getattr(t, "_numatp_gemm", None)]
+                assert both.weights.prepared(plain) is None and decode[0].weights[r][i] is plain
+        made = [both.weights.prepared(t) for t in both.weights._made.values()]
+        kept = [info.plain for info in made if info is not None]
         assert len(kept) == len(prompt) and all(k is not None for k in kept)
         assert {id(p) for reads in decode[0].executor.reads for p in reads.values()} <= {id(k) for k in kept}
         report = both.weights.report()   # the kept weights' pages are the socket's too
@@ -320,12 +321,12 @@ def test_choice_is_keyed_by_threads(tmp_path):
     assert {GemmShape.from_key(k).threads for k in keys} == threads | {r["threads"] for r in one.gemm_report()}
 
 
-def test_table_is_per_cpu(tmp_path, monkeypatch):
+def test_table_is_per_cpu(tmp_path):
     shape = GemmShape(4, 8, 8, "float32", "nk", 1)
     GemmTable(tmp_path).put({shape: {"aten": 1.0}})
     assert GemmTable(tmp_path).get(shape) == {"aten": 1.0}
-    monkeypatch.setattr(gemm_mod, "cpu_signature", lambda: "another-cpu")
-    assert GemmTable(tmp_path).get(shape) is None
+    assert GemmTable(tmp_path, signature="another-cpu").get(shape) is None
+    assert GemmTable(tmp_path).signature == MachineFacts.detect().cpu_signature
 
 
 def test_cache_folder_is_numatp_cache_dir_where_set(tmp_path, monkeypatch):
@@ -380,8 +381,12 @@ def test_preview_chooses_like_apply_without_touching_the_programs(tmp_path):
         rows = selector.preview(group, [p.gm for p in programs], args, weights)
         assert rows and {r["provider"] for r in rows} == {"mkl_packed"}
         assert [p.gm.code for p in programs] == before      # nothing rewritten
-        assert not any(getattr(a, "_numatp_gemm", None) for r in args for a in r)  # nothing packed
+        assert all(selector.stand_in(a) is a for r in args for a in r)  # nothing packed
         _, new_args, swaps, reads = selector.apply(group, [p.gm for p in programs], args, weights)
+    # each packed operand is recorded as what it stands for (its plain weight's shape), not marked itself
+    for r, rank_swaps in enumerate(swaps):
+        for plain, op in rank_swaps.values():
+            assert selector.stand_in(op).shape == plain.shape and not hasattr(op, "_numatp_gemm")
     assert [(r["rank"], r["weight"], r["provider"]) for r in selector.report()] == \
         [(r["rank"], r["weight"], r["provider"]) for r in rows]
     assert sum(len(s) for s in swaps) == len(rows) and not any(reads)   # nothing read in place of a copy
@@ -394,22 +399,22 @@ def test_shape_key_round_trip():
         assert GemmShape.from_key(shape.key) == shape
 
 
-def test_a_few_row_matmul_streams_its_weight_only_in_a_program_past_the_cache(monkeypatch):
+def test_a_few_row_matmul_streams_its_weight_only_in_a_program_past_the_cache():
     """A decode step's matmul is timed on a ring of weight copies (its weight comes from memory) only where
     the program's weights outgrow a quarter of the last-level cache; a tiny model's stays in cache, as in
     its real decode steps, and is timed on one weight."""
     from numatp.plan.gemm_pass import _find_sites
     from numatp.runtime.gemm import streamed_copies, streams
-    from numatp.topology.resources import last_level_cache_bytes
 
-    llc = last_level_cache_bytes()
-    assert streams(1, llc) and streams(16, llc) and not streams(17, llc) and not streams(1, llc // 8)
+    llc = 32 << 20
+    assert streams(1, llc, llc) and streams(16, llc, llc) and not streams(17, llc, llc)
+    assert not streams(1, llc // 8, llc)
+    big = MachineFacts(llc_bytes=llc, memory_available=64 << 30, cpu_signature="test")
     shape = GemmShape(1, 1024, 1024, "float32", "nk", 1, stream=True)   # a 4 MiB weight
-    assert streamed_copies(replace(shape, stream=False)) == 1
-    monkeypatch.setattr(gemm_mod, "_available_bytes", lambda: 64 << 30)
-    assert streamed_copies(shape) * (4 << 20) >= min(2 * llc, gemm_mod.STREAM_MAX_BYTES)
-    monkeypatch.setattr(gemm_mod, "_available_bytes", lambda: 32 * (8 << 20))   # little memory: 8 MiB a ring
-    assert streamed_copies(shape) == 2
+    assert streamed_copies(replace(shape, stream=False), big) == 1
+    assert streamed_copies(shape, big) == 2 * llc // (4 << 20)
+    little = replace(big, memory_available=32 * (8 << 20))   # little memory: 8 MiB a ring
+    assert streamed_copies(shape, little) == 2
     # a tiny gpt2's decode-sized program: no site streams; with the cache said to be 1 KiB, every one does
     from numatp.plan import capture, plan_graph
     from numatp.plan.localize import localize
@@ -419,10 +424,9 @@ def test_a_few_row_matmul_streams_its_weight_only_in_a_program_past_the_cache(mo
     ((ag, inputs),) = capture(model, **zoo.example_inputs(model, batch=1, seq=4))
     prog = localize(ag, plan_graph(ag, 1), 0)
     args = bind_inputs(prog.bindings, inputs, 0)
-    found = _find_sites(prog.gm, args, prog.weight_indices, 1)
+    found = _find_sites(prog.gm, args, prog.weight_indices, 1, llc_bytes=llc)
     assert found and not any(s.shape.stream for ss in found.values() for s in ss)
-    monkeypatch.setattr(gemm_mod, "last_level_cache_bytes", lambda: 1024)
-    found = _find_sites(prog.gm, args, prog.weight_indices, 1)
+    found = _find_sites(prog.gm, args, prog.weight_indices, 1, llc_bytes=1024)   # a cache of 1 KiB
     assert all(s.shape.stream for ss in found.values() for s in ss)
 
 
@@ -526,13 +530,14 @@ def test_measure_all_times_each_provider_by_its_own_calls_in_rounds():
     assert rates["fast"] > 5 * rates["slow"]      # each rate is its own calls' time, not the round's
 
 
-def test_a_streamed_rate_is_the_mean_over_the_rings_copies(monkeypatch):
+def test_a_streamed_rate_is_the_mean_over_the_rings_copies():
     """A program reads one prepared copy, fast or slow as its allocation fell: a streamed shape's rate is
     the expected time over the ring's copies, so a provider with one slow copy in four loses to a steady
     one whose every call is slower than its fast copies' (the median call would pick it)."""
     from numatp.runtime.gemm import Provider, measure_all
 
-    monkeypatch.setattr(gemm_mod, "streamed_copies", lambda shape: 4)
+    # a 256-byte weight and a 512-byte cache: a ring of 4 copies passes twice the cache
+    facts = MachineFacts(llc_bytes=512, memory_available=1 << 30, cpu_signature="test")
 
     def provider(name, pauses):
         made = []
@@ -548,7 +553,8 @@ def test_a_streamed_rate_is_the_mean_over_the_rings_copies(monkeypatch):
 
     shape = GemmShape(1, 8, 8, "float32", "nk", 1, 0, True)
     rates = measure_all({"lucky": provider("lucky", (0.04, 0.001, 0.001, 0.001)),
-                         "steady": provider("steady", (0.005,))}, shape, min_seconds=100.0, max_calls=8)
+                         "steady": provider("steady", (0.005,))}, shape, min_seconds=100.0, max_calls=8,
+                        facts=facts)
     # lucky: 3 of its 4 copies take 1 ms a call, one 40 ms: 10.75 ms expected; steady: 5 ms
     assert shape.flops / 0.02 / 1e9 < rates["lucky"] < shape.flops / 0.0105 / 1e9
     assert rates["steady"] > 1.5 * rates["lucky"]

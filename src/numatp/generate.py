@@ -213,29 +213,27 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
 
 
 class _DecodeAhead:
-    """Tells numatp's GEMM selector, while the prompt and decode programs compile, that ``steps`` decode
+    """Tells numatp's backend, while the prompt and decode programs compile, that ``steps`` decode
     steps of ``rows`` rows follow the prompt: it then chooses each weight's providers for both. A backend
     made by the prompt's own call (``torch.compile(..., backend="numatp")`` before its first call) is
     attached after it, in time for the decode step."""
 
     def __init__(self, rows: int, steps: int):
-        self.decode = (rows, steps)
-        self._selector: Any = None
-        self._previous: Any = None
+        self.rows, self.steps = rows, steps
+        self._ahead: Any = None   # the backend's decode_ahead block, entered once the backend exists
 
     def attach(self, backend: Any) -> Any:
-        selector = getattr(backend, "gemm", None)
-        if selector is not None and self._selector is None:
-            self._selector, self._previous = selector, selector.decode
-            selector.decode = self.decode
+        if self._ahead is None and getattr(backend, "gemm", None) is not None:
+            self._ahead = backend.decode_ahead(self.rows, self.steps)
+            self._ahead.__enter__()
         return backend
 
     def __enter__(self) -> _DecodeAhead:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._selector is not None:
-            self._selector.decode = self._previous
+        if self._ahead is not None:
+            self._ahead.__exit__(None, None, None)
 
 
 def _backend(compiled: Any) -> Any:

@@ -61,7 +61,8 @@ def test_packed_gemm_weight_is_made_in_its_socket_node(topology, provider):
             gc.collect()
             before = process_bytes_by_node(anonymous=True)
             made = group.run(lambda r: _prepare(PROVIDERS[provider], w, 64, "nk", socket.node) if r == rank else None)
-            assert made[rank]._numatp_gemm.provider == provider
+            assert made[rank][1].provider == provider   # what the operand is (the weight store records it)
+            made = [m and m[0] for m in made]
             if made[rank].layout == torch.strided:   # MKL's packed weight is a plain tensor: its pages are read
                 from numatp.placement import pages_by_node
                 # on a node: the pages MKL wrote (-2: never written; -14: a huge page the kernel's NUMA
@@ -93,7 +94,7 @@ def test_dense_gemm_operand_is_copied_onto_its_socket_node(topology):
     w = torch.randn(128, 256)   # (K, N)
     with SocketGroup(topology) as group:
         nodes = [s.node for s in topology.sockets]
-        made = group.run(lambda r: _prepare(PROVIDERS["onednn"], w, 8, "kn", nodes[r]))
+        made = group.run(lambda r: _prepare(PROVIDERS["onednn"], w, 8, "kn", nodes[r])[0])
     for rank, op in enumerate(made):
         assert torch.equal(op, w.t())
         assert set(pages_by_node(op)) == {nodes[rank]}, f"socket {rank}: pages {pages_by_node(op)}"

@@ -8,8 +8,9 @@ GEMM provider choices. Each Dynamo graph it is handed becomes a :class:`~numatp.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from numatp.backend.policy import close_call, default_decider, runs_unsharded
 from numatp.backend.states import StateStore
 from numatp.backend.variants import CompiledGraph
 from numatp.backend.weights import WeightStore
-from numatp.plan.gemm_pass import GemmOptions, GemmSelector, report_rows
+from numatp.plan.gemm_pass import Decode, GemmOptions, GemmSelector, report_rows
 from numatp.plan.schema import Plan
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import SegmentCompiler
@@ -60,6 +61,9 @@ class NumaTPBackend:
         # how every graph that writes a cache runs (prefill and decode must agree): fixed by the first
         self.state_policy: str | None = None
         self.gemm = _gemm_selector(gemm)
+        self.decode: Decode | None = None
+        """The decode steps that follow the graphs compiled now (:meth:`decode_ahead`), which the GEMM
+        choice of a prompt's weights is given."""
         self.graphs: list[CompiledGraph] = []
         self.calls = 0   # calls of its graphs: a forward that adds none did not run through numatp
         self._group: SocketGroup | None = None
@@ -89,6 +93,17 @@ class NumaTPBackend:
             whole = self.topology.whole()
             self._whole = SocketGroup(whole), WeightStore(whole, place=False), StateStore(whole)
         return self._whole
+
+    @contextlib.contextmanager
+    def decode_ahead(self, rows: int, steps: int) -> Iterator[None]:
+        """While in this block, graphs compiled are a prompt followed by ``steps`` decode steps of ``rows``
+        rows each (:func:`numatp.generate` says so around a generation): their GEMM providers are chosen
+        for both."""
+        previous, self.decode = self.decode, Decode(rows, steps)
+        try:
+            yield
+        finally:
+            self.decode = previous
 
     def reload_states(self) -> None:
         """Copy the caller's state tensors (a cache just reset) into every socket's copy again."""

@@ -269,7 +269,8 @@ class CompiledGraph:
         import time
         b = self.backend
         n = group.size
-        built = pipeline.build(ag, plan, group=group, compiler=b.compiler, gemm=b.gemm, check=b.check,
+        built = pipeline.build(ag, plan, group=group, compiler=b.compiler, check=b.check,
+                               gemm=None if b.gemm is None else b.gemm.bind(store, decode=b.decode),
                                bind=lambda local: [_bind(store, states, p.bindings, args, p.rank) for p in local])
         bindings = [p.bindings for p in built.local]
         executor = ShardedExecutor(group, built.programs, swaps=built.swaps, reads=built.reads,

@@ -5,6 +5,10 @@ On a real topology every shard and every replica is copied with ``numa_clone`` o
 own tensors and shards are views where the split is one contiguous piece, so numatp adds no full copy.
 A store made with ``place=False`` (the unsharded program on one socket spanning all CPUs) never places:
 its weights stay where the model put them, as under plain ``torch.compile``.
+
+The store also records the GEMM operands prepared from its weights (a packed weight, what it was made
+from: :class:`~numatp.runtime.gemm.PackInfo`), which it hands out in their place from then on
+(:meth:`WeightStore.replace`); the GEMM pass asks it what an argument is (:meth:`WeightStore.prepared`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 import torch
 
 from numatp.placement import numa_clone, pages_by_node
+from numatp.runtime.gemm import PROVIDERS, PackInfo, PreparedOperands
 from numatp.plan.localize import Binding
 from numatp.plan.reference import shard_tensor
 from numatp.plan.schema import Replicate
@@ -30,13 +35,14 @@ class WeightStore:
         self.place = place and not topology.is_virtual
         self._made: dict[tuple, torch.Tensor] = {}
         self._keep: list[Any] = []   # the source tensors of the keys above stay alive while we use their id
+        self._operands = PreparedOperands()
 
     def get(self, param: torch.Tensor, b: Binding, rank: int) -> torch.Tensor:
         p = b.placement
         key = (id(param), type(p).__name__, getattr(p, "dim", None),
                str(p.splits[rank]) if not isinstance(p, Replicate) else None, b.lookup, rank)
         twin = (*key[:-2], not b.lookup, rank)
-        if key not in self._made and twin in self._made and not hasattr(self._made[twin], "_numatp_gemm"):
+        if key not in self._made and twin in self._made and self.prepared(self._made[twin]) is None:
             self._made[key] = self._made[twin]   # a lookup and a tied LM head share one plain shard
         if key not in self._made:
             self._keep.append(param)
@@ -57,6 +63,14 @@ class WeightStore:
             if key[-1] == rank and t is plain and not key[-2]:
                 self._made[key] = prepared
 
+    def record(self, operand: Any, info: PackInfo) -> None:
+        """``operand`` is a prepared GEMM operand, ``info`` what it is (made by a socket's worker)."""
+        self._operands.record(operand, info)
+
+    def prepared(self, t: Any) -> PackInfo | None:
+        """What ``t`` is where it is a prepared GEMM operand this store recorded; else None."""
+        return self._operands.prepared(t)
+
     def mark(self) -> set[tuple]:
         """The weights made so far, for :meth:`drop_since`."""
         return set(self._made)
@@ -65,6 +79,7 @@ class WeightStore:
         """Forget every weight made after ``mark`` (a variant that was built, then not kept)."""
         for key in [k for k in self._made if k not in mark]:
             del self._made[key]
+        self._operands.keep_only(list(self._made.values()))
 
     def report(self) -> dict[str, Any]:
         """Pages per node of each socket's weights (a plain weight kept beside a prompt's packed copy
@@ -74,8 +89,6 @@ class WeightStore:
         plain tensors, counted in the pages). MKL's packing reserves more than it writes; per rank,
         ``unwritten_pages`` counts the pages of its buffers never touched, so resident nowhere (left out
         of ``pages``)."""
-        from numatp.runtime.gemm import PROVIDERS
-
         ranks = []
         local = total = opaque = packed = 0
         for r, sock in enumerate(self.topology.sockets):
@@ -84,7 +97,7 @@ class WeightStore:
             for key, t in self._made.items():
                 if key[-1] != r:
                     continue
-                info = getattr(t, "_numatp_gemm", None)
+                info = self.prepared(t)
                 packed += info is not None and PROVIDERS[info.provider].packed
                 kept = getattr(info, "plain", None)
                 if kept is not None:   # the weight as stored, kept beside a prompt's copy for the decode steps

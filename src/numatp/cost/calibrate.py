@@ -186,7 +186,8 @@ def remeasure_gemm_table(topo: Topology, *, progress: Callable[[str], None] = la
     else the first T of all sockets' CPUs in socket order. Returns how many shapes were re-timed and the
     keys skipped because the topology has fewer CPUs than their thread count.
     """
-    from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, measure_all
+    from numatp.runtime.gemm import PROVIDERS, GemmShape, GemmTable, measure_all, usable_rates
+    from numatp.runtime.gemm.table import stored_rate
 
     table = GemmTable(cache_dir)
     every = [c for sock in topo.sockets for c in sock.cpus]
@@ -210,8 +211,9 @@ def remeasure_gemm_table(topo: Topology, *, progress: Callable[[str], None] = la
                 done += 1
                 progress(f"GEMM {done}/{total}: {shape.dtype} {shape.m} x {shape.k} x {shape.n} "
                          f"({shape.layout}), {shape.threads} threads")
-                found[shape] = {p: round(r, 2) for p, r in measure_all({p: PROVIDERS[p] for p in names},
-                                                                        shape).items()}
+                # a measurement that failed or read nothing is left out (the table keeps rates only)
+                timed = usable_rates(measure_all({p: PROVIDERS[p] for p in names}, shape))
+                found[shape] = {p: stored_rate(r) for p, r in timed.items()}
             return found
 
         table.put(_pinned(cpus, work))

@@ -33,7 +33,6 @@ from numatp.plan.ops import COLLECTIVES
 from numatp.plan.schema import Colwise, Plan, Rowwise
 from numatp.plan.trace import AtenGraph
 from numatp.runtime.executor import SocketProgram
-from numatp.runtime.gemm import stand_in
 from numatp.runtime.segments import Collective, Segment
 
 __all__ = ["ContractError", "check", "global_shapes", "same_collectives", "one_reduction_per_block",
@@ -137,7 +136,7 @@ def shard_shapes(done: Programs, shapes: Sequence[tuple[int, ...] | None]) -> No
             want = _bound_shape(bd, shapes, p.rank)
             if want is None:
                 continue
-            arg = stand_in(args[i]) if i < len(args) else None
+            arg = done.stand_in(args[i]) if i < len(args) else None
             val = placeholders[i].meta.get("val") if i < len(placeholders) else None
             for what, t in (("argument", arg), ("placeholder", val)):
                 if isinstance(t, torch.Tensor) and tuple(t.shape) != want:

@@ -26,7 +26,7 @@ import torch.fx
 
 from numatp.plan import contracts
 from numatp.plan.attention_pass import fuse_single_query_attention
-from numatp.plan.gemm_pass import GemmChoice, GemmSelector
+from numatp.plan.gemm_pass import BoundSelector, GemmChoice, GemmSelector
 from numatp.plan.localize import LocalProgram, localize as localize_rank
 from numatp.plan.lower import lower_gemms, mark_gathered_matmuls, place_reductions, propagate_shapes
 from numatp.plan.schema import Plan
@@ -34,7 +34,6 @@ from numatp.plan.split import split_program
 from numatp.plan.tp_pass import plan_graph
 from numatp.plan.trace import AtenGraph, trace_aten
 from numatp.runtime.executor import SocketProgram
-from numatp.runtime.gemm import stand_in
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import Segment, SegmentCompiler
 
@@ -63,6 +62,8 @@ class Programs:
     holds a prompt's copy of it (:attr:`numatp.plan.gemm_pass.GemmChoice.reads`)."""
     choices: list[GemmChoice] = field(default_factory=list)
     """Per rank: the GEMM providers the programs got (empty without a selector)."""
+    stand_in: Callable[[Any], Any] = field(default=lambda a: a)
+    """A prepared operand's plain stand-in for shape checks and propagation (the GEMM selector's)."""
 
     @property
     def gms(self) -> list[torch.fx.GraphModule]:
@@ -92,7 +93,7 @@ def localize(ag: AtenGraph, plan: Plan) -> list[LocalProgram]:
     return [localize_rank(ag, plan, r) for r in range(plan.sockets)]
 
 
-def choose_gemms(selector: GemmSelector | None, group: SocketGroup, local: list[LocalProgram],
+def choose_gemms(selector: GemmSelector | BoundSelector | None, group: SocketGroup, local: list[LocalProgram],
                  args: list[list[Any]]) -> tuple[list[list[Any]], list[dict[int, tuple]], list[dict[int, torch.Tensor]],
                                                  list[GemmChoice]]:
     """Step 4. Before: the local programs and their bound arguments. After: each weight matmul whose
@@ -112,12 +113,14 @@ def fuse_attention(gm: torch.fx.GraphModule) -> None:
     fuse_single_query_attention(gm)
 
 
-def lower(gm: torch.fx.GraphModule, args: list[Any], sockets: int) -> None:
+def lower(gm: torch.fx.GraphModule, args: list[Any], sockets: int,
+          stand_in: Callable[[Any], Any] = lambda a: a) -> None:
     """Step 6. Before: a local program after the GEMM choice. After: ``meta["val"]`` on every node (local
     shapes); a ``numatp::gemm`` with a C++ kernel is ``numatp::linear``; every all-reduce after the first
     is ``numatp::socket_all_reduce`` chained to the one before (a dtype the C++ collective does not sum
     stays an all-reduce), a layer's last marked as a segment's end; with one socket the reductions that
-    would run inside and the all-gathers are gone (:mod:`numatp.plan.lower`)."""
+    would run inside and the all-gathers are gone (:mod:`numatp.plan.lower`). ``stand_in`` gives a
+    prepared operand's plain stand-in for shape propagation (the GEMM selector's)."""
     propagate_shapes(gm, [stand_in(a) for a in args])
     lower_gemms(gm)
     place_reductions(gm, sockets)
@@ -152,7 +155,7 @@ def compile(programs: list[SocketProgram], compiler: SegmentCompiler, group: Soc
 
 
 def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
-                   bind: Callable[[Sequence[LocalProgram]], list[list[Any]]], gemm: GemmSelector | None = None,
+                   bind: Callable[[Sequence[LocalProgram]], list[list[Any]]], gemm: GemmSelector | BoundSelector | None = None,
                    check: bool = False) -> Programs:
     """Steps 3 to 8 for ``plan`` (made for ``ag``) on ``group``: the socket programs' steps, not compiled.
     ``bind`` gives each rank's arguments for the localized programs (the backend's stores, or
@@ -162,6 +165,8 @@ def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
     args = bind(local)
     shapes = contracts.global_shapes(ag) if check else []
     done = Programs(plan, local, args)
+    if gemm is not None:
+        done.stand_in = gemm.stand_in
 
     def checked(step: str) -> None:
         if check:
@@ -174,7 +179,7 @@ def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
         fuse_attention(p.gm)
     checked("fuse_attention")
     for p, a in zip(local, done.args):
-        lower(p.gm, a, sockets)
+        lower(p.gm, a, sockets, done.stand_in)
     checked("lower")
     for p in local:
         gather(p.gm)
@@ -185,7 +190,7 @@ def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
 
 
 def build(ag: AtenGraph, plan: Plan, *, group: SocketGroup, compiler: SegmentCompiler,
-          bind: Callable[[Sequence[LocalProgram]], list[list[Any]]], gemm: GemmSelector | None = None,
+          bind: Callable[[Sequence[LocalProgram]], list[list[Any]]], gemm: GemmSelector | BoundSelector | None = None,
           check: bool = False) -> Programs:
     """Steps 3 to 9: :func:`lower_programs`, then :func:`compile`."""
     done = lower_programs(ag, plan, group=group, bind=bind, gemm=gemm, check=check)

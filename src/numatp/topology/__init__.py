@@ -10,5 +10,7 @@ from __future__ import annotations
 from numatp.topology.cpulist import format_cpulist, parse_cpulist
 from numatp.topology.default import default_topology, resolve_sockets
 from numatp.topology.model import NumaNode, Socket, Topology
+from numatp.topology.resources import MachineFacts
 
-__all__ = ["NumaNode", "Socket", "Topology", "default_topology", "format_cpulist", "parse_cpulist", "resolve_sockets"]
+__all__ = ["MachineFacts", "NumaNode", "Socket", "Topology", "default_topology", "format_cpulist", "parse_cpulist",
+           "resolve_sockets"]

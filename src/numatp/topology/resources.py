@@ -1,7 +1,9 @@
 """What this machine has beside its NUMA layout: memory available now, the last-level cache's size, and a
-signature of the CPU (what the GEMM rate table and the C++ library are keyed by).
+signature of the CPU, read from the kernel (``/proc/meminfo``, ``/proc/cpuinfo``,
+``/sys/devices/system/cpu/cpu0/cache``), never from tools' text.
 
-Read from the kernel (``/proc/meminfo``, ``/sys/devices/system/cpu/cpu0/cache``), never from tools' text.
+:class:`MachineFacts` holds the three as one value: what GEMM measurement and choice are given, so a test
+constructs the machine it means (a 1 KiB cache, little memory, another CPU) instead of patching globals.
 """
 
 from __future__ import annotations
@@ -9,9 +11,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["memory_available", "last_level_cache_bytes", "cpu_signature"]
+__all__ = ["MachineFacts", "cpu_signature", "last_level_cache_bytes", "memory_available"]
 
 
 def memory_available() -> int | None:
@@ -44,9 +47,11 @@ def last_level_cache_bytes(root: str | Path = "/sys") -> int:
     return max(sizes, default=32 << 20)
 
 
+@functools.cache
 def cpu_signature() -> str:
-    """A short hash of this CPU (vendor, family, model, model name, flags) and the torch build."""
-    import torch   # the torch build is part of it; the topology alone never needs torch
+    """A short hash of this CPU (vendor, family, model, model name, flags) and the torch build (read once):
+    what a measured GEMM rate or a compiled kernel is valid for."""
+    import torch   # only here: the rest of this module needs no torch
 
     fields: dict[str, str] = {}
     try:
@@ -63,3 +68,25 @@ def cpu_signature() -> str:
     fields["torch"] = torch.__version__
     fields["mkldnn"] = str(torch.backends.mkldnn.is_available())
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MachineFacts:
+    """The machine facts GEMM measurement and choice depend on, as one value.
+
+    ``MachineFacts.detect()`` reads this machine; a test builds the one it means, e.g.
+    ``replace(MachineFacts.detect(), llc_bytes=1 << 10)`` for a cache that every weight outgrows."""
+
+    llc_bytes: int
+    """Size of the last-level cache: whether a decode step's weight comes from memory at every call."""
+    memory_available: int | None
+    """Bytes of memory available when detected (None: unknown): the room for second copies of weights
+    and for the rings of copies a streamed shape is timed on."""
+    cpu_signature: str
+    """Names the CPU and torch build the measured rates belong to (the rate table's file name)."""
+
+    @classmethod
+    def detect(cls, root: str | Path = "/sys") -> MachineFacts:
+        """This machine now (``root``: the sysfs folder the cache size is read from)."""
+        return cls(llc_bytes=last_level_cache_bytes(root), memory_available=memory_available(),
+                   cpu_signature=cpu_signature())

@@ -14,7 +14,7 @@ import transformers
 from transformers import PretrainedConfig
 from transformers.initialization import no_init_weights
 
-from numatp.topology.resources import memory_available as _available_bytes
+from numatp.topology.resources import MachineFacts
 from numatp.zoo._presets import FULL, MLP_KIND, TINY
 from numatp.zoo._source import PRESETS, resolve
 
@@ -117,11 +117,12 @@ def _check_attn(attn_implementation: str) -> None:
         )
 
 
-def _check_memory(name: str, cfg: PretrainedConfig, *, head: bool, dtype: torch.dtype) -> None:
-    """Refuse, with the way out, to build random weights that would not fit in this machine's free memory
-    (building would be killed by the kernel instead)."""
+def _check_memory(name: str, cfg: PretrainedConfig, *, head: bool, dtype: torch.dtype,
+                  machine: MachineFacts | None) -> None:
+    """Refuse, with the way out, to build random weights that would not fit in the machine's free memory
+    (``machine``: this one now where None; building would be killed by the kernel instead)."""
     need = _count_parameters(cfg, head=head) * torch.empty(0, dtype=dtype).element_size()
-    free = _available_bytes()
+    free = (machine or MachineFacts.detect()).memory_available
     if free is not None and need > 0.9 * free:
         raise MemoryError(
             f"{name!r} in {str(dtype).removeprefix('torch.')} needs {need / 2**30:.1f} GiB of weights and this "
@@ -138,6 +139,7 @@ def build(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     attn_implementation: str = "sdpa",
+    machine: MachineFacts | None = None,
 ) -> torch.nn.Module:
     """Build a preset with random weights, or load a local checkpoint, in eval mode and ``dtype``.
 
@@ -145,7 +147,8 @@ def build(
     ``Gemma3ForCausalLM``, ``LlamaForCausalLM``); ``head=False`` the base model. Weights are
     deterministic by ``seed``; tied embeddings (GPT-2, Gemma) stay tied. KV caching is off.
     A folder with a ``config.json`` is loaded with ``from_pretrained`` (``AutoModelForCausalLM``,
-    ``AutoModelForMaskedLM`` for BERT, or ``AutoModel`` when ``head=False``).
+    ``AutoModelForMaskedLM`` for BERT, or ``AutoModel`` when ``head=False``). Random weights that would
+    not fit in the memory ``machine`` has available (this machine's now, where None) are refused first.
     """
     _check_attn(attn_implementation)
     folder = _checkpoint_folder(name_or_path, tiny=tiny)
@@ -163,7 +166,7 @@ def build(
 
     cfg = _resolve_config(name_or_path, tiny=tiny)
     cls = _model_class(cfg, head=head)
-    _check_memory(name_or_path, cfg, head=head, dtype=dtype)
+    _check_memory(name_or_path, cfg, head=head, dtype=dtype, machine=machine)
     # Skip torch's and transformers' default init (slow kaiming_uniform over ~1B parameters);
     # _fill_random then writes every parameter once.
     with no_init_weights():

@@ -1,0 +1,257 @@
+"""The GEMM provider registry: the kernels numatp can run a weight matmul with, and the shape they run.
+
+A weight matmul of a socket program is ``y (M, N) = x (M, K) @ W (K, N) [+ b]``, with the weight stored
+either ``"nk"`` (``nn.Linear``: ``(N, K)``, the graph reads it through ``permute([1, 0])``) or ``"kn"``
+(GPT-2 ``Conv1D``). torch ships several kernels for it, and which is fastest depends on the CPU, the
+dtype, the shape and the thread count (on an AVX2-only EPYC, an AVX-512 Xeon and an AVX-512 EPYC the
+answers differ), so numatp measures them (:mod:`numatp.runtime.gemm.measurement`):
+
+- ``aten``: ``torch.mm`` / ``addmm``, what Inductor calls by default (MKL for fp32 on x86);
+- ``onednn``: ``mkldnn._linear_pointwise`` on the plain weight;
+- ``onednn_packed``: the same op on a weight reordered once by ``mkldnn._reorder_linear_weight``;
+- ``mkl_packed``: MKL's packed-B GEMM (``cblas_sgemm_compute``, from the MKL inside torch) on a weight
+  packed once by ``numatp::mkl_pack`` (fp32; ``ops.cpp``): like torch's ``mkl._mkl_linear``, but the
+  packed weight is a plain tensor (placed and checked page by page like any weight) and the kernel
+  writes into the columns of a wider tensor (a gathered LM head) without a copy;
+- ``mkl_packed_f32``: for bf16, the same in fp32 on an upcast packed weight (twice the bytes);
+- ``gemv``: numatp's own kernel for up to 16 rows (a decode step), on the weight as stored, in C++
+  (``gemv.cpp``): it streams the weight once per call, where the others are built for many rows;
+- ``inductor_cpp``: Inductor's C++ GEMM template (max_autotune's CPU kernel) compiled per weight, which
+  it blocks and packs as a graph constant; compiling makes it slow to measure, so it runs only when
+  ``GemmOptions.providers`` names it.
+
+Packed weights are opaque tensors (``layout=torch._mkldnn``, oneDNN's) or MKL's buffers (plain float32
+tensors, a header then MKL's bytes): a packed provider replaces the plain shard, and compiled segments
+call it through ``numatp::linear`` (``ops.cpp``, by its :data:`NATIVE` code; see
+:mod:`numatp.plan.gemm_pass`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GEMV_MAX_ROWS", "IN_PLACE", "NATIVE", "PROVIDERS", "GemmShape", "Provider", "call_into", "native_code"]
+
+mkldnn = torch.ops.mkldnn
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """One weight matmul as seen by one socket: ``(M, K) @ (K, N)`` with ``threads`` intra-op threads."""
+
+    m: int
+    k: int
+    n: int
+    dtype: str          # "float32" or "bfloat16"
+    layout: str         # "nk" (nn.Linear weight) or "kn" (Conv1D weight)
+    threads: int
+    into: int = 0
+    """Nonzero: the output is gathered into a full tensor of this many columns (a column-parallel LM
+    head). Each call then writes its N columns there: ``aten`` and ``mkl_packed`` in place (:data:`IN_PLACE`),
+    any other provider by a copy of its own output, so the rates compare what the gather will run."""
+    stream: bool = False
+    """The weight comes from memory, not cache, at every call: a decode step's few rows in a program whose
+    weights outgrow the cache (:func:`numatp.runtime.gemm.measurement.streams`). Timed on a ring of copies
+    (:func:`numatp.runtime.gemm.measurement.measure_all`)."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.dtype}|{self.m}|{self.k}|{self.n}|{self.layout}|t{self.threads}" + \
+            (f"|into{self.into}" if self.into else "") + ("|stream" if self.stream else "")
+
+    @classmethod
+    def from_key(cls, key: str) -> GemmShape:
+        """The shape a table key names (the inverse of :attr:`key`)."""
+        dtype, m, k, n, layout, threads, *more = key.split("|")
+        into = next((int(f.removeprefix("into")) for f in more if f.startswith("into")), 0)
+        return cls(int(m), int(k), int(n), dtype, layout, int(threads.removeprefix("t")), into, "stream" in more)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.k * self.n
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the (K, N) weight."""
+        return self.k * self.n * getattr(torch, self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class Provider:
+    """A way to compute ``x @ W + b``: ``prepare`` makes the operand kept per socket, ``call`` runs it.
+
+    ``prepare(w_nk, m)`` gets the weight as an ``(N, K)`` tensor (a view for "kn" weights) and the
+    number of rows it will be called with; ``call(x, operand, bias, n, k)`` returns ``(M, N)``.
+    """
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    packed: bool        # the operand is a packed copy (opaque, or MKL's buffer) that replaces the plain weight
+    prepare: Callable[[torch.Tensor, int], torch.Tensor]
+    call: Callable[..., torch.Tensor]
+    compiles: bool = False
+    """``prepare`` compiles a kernel (seconds per weight): measured only when asked for, without a probe."""
+    max_rows: int | None = None
+    """The most rows of ``x`` it takes (``None``: any); a shape with more measures 0."""
+    places: bool = False
+    """``prepare(w_nk, m, node)`` allocates the operand on memory node ``node`` itself (None: anywhere),
+    instead of leaving that to a copy (MKL's packed buffer, part of which its packing never writes)."""
+    keeps_plain: tuple[str, ...] = ()
+    """Layouts whose plain weight is the operand as it is (no copy, no packing), so that this provider
+    and another such one can share the weight: one for a prompt's many rows, one for a decode step's few."""
+
+    def runs(self, shape: GemmShape) -> bool:
+        """Whether it takes ``shape``'s dtype and rows at all."""
+        return getattr(torch, shape.dtype) in self.dtypes and (self.max_rows is None or shape.m <= self.max_rows)
+
+
+def _aten_call(x, w_nk, bias, n, k):
+    return torch.mm(x, w_nk.t()) if bias is None else torch.addmm(bias, x, w_nk.t())
+
+
+IN_PLACE = ("aten", "mkl_packed")
+"""The providers whose kernel writes a gathered matmul's columns of the full tensor itself (ATen's
+``mm(..., out=)``, MKL's packed GEMM through ``numatp::linear_into``); the others' outputs are copied."""
+
+
+def call_into(provider: Provider, x, op, bias, n, k, full: torch.Tensor) -> None:
+    """One call of a gathered matmul (``GemmShape.into``): its columns of ``full`` written in place by the
+    :data:`IN_PLACE` providers, by a copy of the output otherwise (as
+    ``numatp.runtime.segments.GatheredMatmul`` and the gather run)."""
+    cols = full[:, :n]
+    if provider.name == "aten":
+        torch.mm(x, op.t(), out=cols) if bias is None else torch.addmm(bias, x, op.t(), out=cols)
+    elif provider.name in IN_PLACE:   # a native kernel that takes the output's row stride
+        torch.ops.numatp.linear_into(x, op, bias, NATIVE[provider.name], n, k, cols)
+    else:
+        cols.copy_(provider.call(x, op, bias, n, k))
+
+
+def _onednn_call(x, w, bias, n, k):
+    return mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+def _mkl_pack(w_nk, m, node=None):
+    from numatp.runtime.native import load_ops
+    load_ops()
+    return torch.ops.numatp.mkl_pack(w_nk.contiguous(), m, -1 if node is None else node)
+
+
+def _mkl_call(x, packed, bias, n, k):
+    return torch.ops.numatp.linear(x, packed, bias, NATIVE["mkl_packed"], n, k)
+
+
+GEMV_MAX_ROWS = 16
+"""The most rows ``gemv`` takes (as ``kGemvMaxRows`` in ``ops.cpp``); more are left to the GEMM providers."""
+
+
+def _gemv_prepare(w_nk, m):
+    # the weight as stored, (N, K) or the transposed view of a (K, N) one: the kernel reads either
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv runs up to {GEMV_MAX_ROWS} rows, not {m}")
+    from numatp.runtime.native import load_ops
+    load_ops()
+    return w_nk
+
+
+def _gemv_call(x, w_nk, bias, n, k):
+    if w_nk.is_contiguous():
+        return torch.ops.numatp.linear(x, w_nk, bias, native_code("gemv", "nk"), n, k)
+    return torch.ops.numatp.linear(x, w_nk.t(), bias, native_code("gemv", "kn"), n, k)
+
+
+def _upcast_pack(w_nk, m, node=None):
+    return _mkl_pack(w_nk.float(), m, node)
+
+
+def _upcast_call(x, packed, bias, n, k):
+    return _mkl_call(x.float(), packed, None if bias is None else bias.float(), n, k).to(x.dtype)
+
+
+_TRACE_LOCK = threading.Lock()
+
+
+class _TemplateGemm:
+    """``x @ W^T + b`` compiled by Inductor's C++ GEMM template for one weight, any number of rows.
+
+    The weight enters the traced graph as a constant, which is what the template needs to block and
+    pack it at compile time; the graph is traced with a symbolic row count, so one compile serves every
+    M. Compiled on the calling thread for its thread count (a socket worker, so the packed constant is
+    made under the socket's memory binding); the plain weight is not kept once compiled.
+    """
+
+    def __init__(self, w_nk: torch.Tensor, m: int):
+        from torch._inductor.compile_fx import compile_fx
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        n, k = w_nk.shape
+        self.dtype = w_nk.dtype
+        weight = w_nk.contiguous()
+
+        def linear(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+            return torch.addmm(bias, x, weight.t())
+
+        # traced at a row count equal to neither K nor N: equal sizes would share one symbol, which the
+        # weight's fixed K or N would then pin to a constant
+        rows = next(r for r in range(17, 17 + 3) if r not in (k, n))
+        x = torch.zeros(rows, k, dtype=w_nk.dtype)
+        b = torch.zeros(n, dtype=w_nk.dtype)
+        # tracing patches module globals: one socket's worker at a time
+        with _TRACE_LOCK, torch.no_grad():
+            gm = make_fx(linear, tracing_mode="symbolic", _allow_non_fake_inputs=True)(x, b)
+            fake = [node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"]
+            fake[0].fake_mode.allow_non_fake_inputs = True  # the weight is a real constant of the graph
+            # no FX graph cache: measured here, a bf16 kernel compiled for another weight of the same
+            # shape came back from it with that weight's values
+            patches = {"max_autotune": True, "max_autotune_gemm_backends": "CPP", "fx_graph_cache": False,
+                       "cpp.threads": torch.get_num_threads(), "freezing": True}
+            self._fn = compile_fx(gm, fake, config_patches=patches)
+            # the kernel has its own packed copy; the traced graph's reference to the plain weight would
+            # keep a second copy alive
+            for name, _ in list(gm.named_buffers()):
+                gm.register_buffer(name, torch.empty(0, dtype=w_nk.dtype))
+        self._zero = b
+        self.shape = (n, k)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self._fn(x, self._zero if bias is None else bias)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+
+PROVIDERS: dict[str, Provider] = {
+    "aten": Provider("aten", (torch.float32, torch.bfloat16), False, lambda w, m: w, _aten_call,
+                     keeps_plain=("nk", "kn")),
+    # oneDNN's linear takes a contiguous (N, K) weight: a Conv1D (K, N) weight gets a transposed copy
+    # that replaces the plain one
+    "onednn": Provider("onednn", (torch.float32, torch.bfloat16), False, lambda w, m: w.contiguous(),
+                       _onednn_call, keeps_plain=("nk",)),
+    "onednn_packed": Provider("onednn_packed", (torch.float32, torch.bfloat16), True,
+                              lambda w, m: mkldnn._reorder_linear_weight(w.contiguous(), m), _onednn_call),
+    "mkl_packed": Provider("mkl_packed", (torch.float32,), True, _mkl_pack, _mkl_call, places=True),
+    # bf16 in and out, fp32 MKL on an fp32 packed weight: for CPUs without bf16 GEMM instructions
+    # (AVX2), where torch's bf16 matmul falls back to slow loops. Its operand has twice the bf16 bytes.
+    "mkl_packed_f32": Provider("mkl_packed_f32", (torch.bfloat16,), True, _upcast_pack, _upcast_call,
+                               places=True),
+    # numatp's kernel for decode steps: the plain weight, either layout, no copy
+    "gemv": Provider("gemv", (torch.float32, torch.bfloat16), False, _gemv_prepare, _gemv_call,
+                     max_rows=GEMV_MAX_ROWS, keeps_plain=("nk", "kn")),
+    # Inductor's own C++ GEMM template (what max_autotune picks from on CPU); one compile per weight
+    # makes it the costliest to measure, so GemmOptions leaves it out unless asked for
+    "inductor_cpp": Provider("inductor_cpp", (torch.float32, torch.bfloat16), True, _TemplateGemm,
+                             lambda x, op, bias, n, k: op(x, bias), compiles=True),
+}
+
+
+NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2, "gemv": 3}
+"""Providers that ``numatp::linear`` (``ops.cpp``) runs in C++, by its provider code (:func:`native_code`):
+a segment calls them without leaving compiled code. The others (``inductor_cpp``) stay a cut of the program."""
+
+
+def native_code(provider: str, layout: str) -> int:
+    """``numatp::linear``'s code for ``provider`` on a weight operand stored in ``layout``: ``gemv`` reads
+    the plain weight either way (3 for (N, K), 4 for (K, N)); the others' operands are (N, K) or packed."""
+    return NATIVE[provider] + int(provider == "gemv" and layout == "kn")
