@@ -199,7 +199,7 @@ def _check_args(args: argparse.Namespace) -> None:
     from numatp import zoo
 
     for flag, value in (("--sockets", args.sockets), ("--batch", args.batch), ("--seq", args.seq)):
-        if value < 1:
+        if value is not None and value < 1:   # --sockets None: numatp's default
             raise SystemExit(f"numatp explain: {flag} {value}: must be >= 1")
     if zoo.resolve(args.model).folder is not None and args.tiny:
         raise SystemExit(f"numatp explain: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
