@@ -197,4 +197,4 @@ def test_weights_that_do_not_fit_are_refused_with_the_way_out(monkeypatch):
     monkeypatch.setattr(zoo_module, "_available_bytes", lambda: 10 * 2**30)
     with pytest.raises(MemoryError, match=r"'phi-3-mini' in float32 needs 14.2 GiB.*10.0 GiB available.*bfloat16.*tiny"):
         build("phi-3-mini")
-    assert build("phi-3-mini", tiny=True) is not None
+    assert build("phi-3-mini", tiny=True).config.num_hidden_layers == 2   # the tiny twin builds all the same
