@@ -30,9 +30,19 @@ def _fresh_dynamo():
     yield
 
 
-def _supported(provider: str, dtype: torch.dtype) -> bool:
-    """Whether this CPU runs the provider (oneDNN bf16 needs AVX-512 or AVX-NE-CONVERT)."""
+def _measures_a_rate(provider: str, dtype: torch.dtype) -> bool:
+    """Whether a provider measures a rate on this CPU (a provider that cannot run measures 0 GFLOP/s)."""
     return measure(PROVIDERS[provider], GemmShape(4, 8, 8, str(dtype)[6:], "nk", 1), min_seconds=0, max_calls=2) > 0
+
+
+def _runs_here(provider: str, dtype: torch.dtype) -> bool:
+    """Whether this CPU has the provider's kernels, by ATen's own CPU check (nothing is measured at
+    collection): oneDNN's bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; the fp32 providers and
+    the fp32 MKL path of bf16 run on every x86-64 CPU torch supports.
+    test_provider_runs_exactly_where_the_cpu_has_its_kernels checks that a measurement agrees."""
+    if dtype == torch.bfloat16 and provider.startswith("onednn"):
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return True
 
 
 def _run(family, dtype, sockets, options, seqs=(16,), mode="eager"):
@@ -50,7 +60,7 @@ def _run(family, dtype, sockets, options, seqs=(16,), mode="eager"):
 ALL_CASES = [(torch.float32, "onednn"), (torch.float32, "onednn_packed"), (torch.float32, "mkl_packed"),
              (torch.bfloat16, "onednn"), (torch.bfloat16, "onednn_packed"), (torch.bfloat16, "mkl_packed_f32")]
 # only what this CPU runs (oneDNN bf16 needs AVX-512 or AVX-NE-CONVERT); the rest is checked below
-CASES = [(d, p) for d, p in ALL_CASES if _supported(p, d)]
+CASES = [(d, p) for d, p in ALL_CASES if _runs_here(p, d)]
 
 
 @pytest.mark.parametrize(("dtype", "provider"), ALL_CASES, ids=[f"{str(d)[6:]}-{p}" for d, p in ALL_CASES])
@@ -59,8 +69,7 @@ def test_provider_runs_exactly_where_the_cpu_has_its_kernels(dtype, provider):
     run measures a rate. Which is which comes from ATen's own CPU check, not from measuring: oneDNN's
     bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; the fp32 providers and the fp32 MKL path
     of bf16 run on every x86-64 CPU torch supports."""
-    onednn_bf16 = dtype == torch.bfloat16 and provider.startswith("onednn")
-    runs = torch.ops.mkldnn._is_mkldnn_bf16_supported() if onednn_bf16 else True
+    runs = _runs_here(provider, dtype)
     rate = measure(PROVIDERS[provider], GemmShape(32, 64, 64, str(dtype)[6:], "nk", 1), min_seconds=0,
                    max_calls=2)
     assert (rate > 0) == runs, f"{provider} {dtype}: {rate} GFLOP/s where ATen says supported={runs}"
@@ -85,7 +94,7 @@ def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
 @pytest.mark.parametrize(("family", "dtype", "provider", "sockets"), [
     ("gpt2", torch.float32, "onednn_packed", 1), ("llama", torch.bfloat16, "mkl_packed_f32", 2)])
 def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_path):
-    assert _supported(provider, dtype), f"{provider} is expected to run {dtype} on every x86-64 CPU torch supports"
+    assert _measures_a_rate(provider, dtype), f"{provider} is expected to run {dtype} on any x86-64 CPU torch supports"
     backend = _run(family, dtype, sockets, GemmOptions(force=provider, cache_dir=str(tmp_path)), mode="inductor")
     _check_forced(backend, provider)
     _check_no_cuts(backend, sockets)
@@ -115,9 +124,24 @@ def _check_no_cuts(backend, sockets):
                 assert (ends > 0) == (sockets > 1)
 
 
+def _assert_is_the_matmul(got, x, w_nk, bias, what):
+    """``got`` is ``x @ w_nk^T (+ bias)`` within the rounding its dtype allows: every summation order of K
+    products keeps within (K + 2) units of fp32 roundoff of the sum of their magnitudes; a bf16 result
+    adds up to two roundings to bf16 (the product's, then the bias's: 2 x 2^-9 of it), so bf16 gets 2^-8
+    of the magnitudes on top. A float64 matmul of the same inputs is the reference."""
+    k = x.shape[1]
+    exact = x.double() @ w_nk.double().t() + (0 if bias is None else bias.double())
+    scale = x.double().abs() @ w_nk.double().abs().t() + (0 if bias is None else bias.double().abs())
+    unit = (k + 2) * 2.0 ** -24 + (2.0 ** -8 if got.dtype == torch.bfloat16 else 0.0)
+    err = (got.double() - exact).abs()
+    worst = (err / (unit * scale)).max().item()
+    assert worst <= 1.0, f"{what}: max |diff| {err.max().item():.3g}, {worst:.2f}x the rounding bound"
+
+
 def test_native_linear_takes_each_providers_operand():
     """numatp::linear (C++) on each provider's operand, as a program passes it (the GEMM pass's _prepare),
-    equals the provider's Python call."""
+    and the provider's Python call both compute the matmul: each equals a float64 matmul of the same
+    inputs within the rounding of its dtype, on both weight layouts, with and without bias."""
     from numatp.plan.gemm_pass import _prepare
 
     load_ops()
@@ -133,10 +157,12 @@ def test_native_linear_takes_each_providers_operand():
             op = p.prepare(w, 5)
             operand = _prepare(p, stored, 5, layout)
             for b in (bias, None):
-                want = p.call(x, op, b, 40, 24)
-                got = torch.ops.numatp.linear(x, operand, b, gemm_mod.native_code(provider, layout), 40, 24)
-                assert got.dtype == dtype and got.shape == (5, 40)
-                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{provider} {dtype} {layout}")
+                what = f"{provider} {dtype} {layout} {'bias' if b is not None else 'no bias'}"
+                python = p.call(x, op, b, 40, 24)
+                native = torch.ops.numatp.linear(x, operand, b, gemm_mod.native_code(provider, layout), 40, 24)
+                for name, got in (("numatp::linear", native), ("Python call", python)):
+                    assert got.dtype == dtype and got.shape == (5, 40), f"{name} {what}"
+                    _assert_is_the_matmul(got, x, w_nk, b, f"{name} {what}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
