@@ -16,6 +16,8 @@ from numatp.runtime.group import GroupAborted, SocketError, SocketGroup
 from numatp.topology import Topology
 from tests.helpers import shared_cpu_topology
 
+pytestmark = pytest.mark.integration
+
 
 def _on_threads(size: int, fn) -> list:
     """``[fn(0), ..., fn(size - 1)]``, each on its own thread at once; re-raises the first error."""

@@ -1,4 +1,8 @@
-"""GEMM providers: rewritten programs equal eager, packed weights replace shards, rates are cached per CPU/threads."""
+"""GEMM providers: rewritten programs equal eager, packed weights replace shards, rates are cached per CPU/threads.
+
+The default run keeps one end-to-end case of each kind (each provider on one family per dtype, one under
+Inductor at 2 sockets); the other families, Inductor's template provider, the generation choice and the
+calibrate subprocess are slow (``-m slow``)."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 from tests.helpers import all_gathers, assert_close_to_eager
 
-pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:numatp. virtual sockets")]
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +67,12 @@ ALL_CASES = [(torch.float32, "onednn"), (torch.float32, "onednn_packed"), (torch
 CASES = [(d, p) for d, p in ALL_CASES if _runs_here(p, d)]
 
 
+def _one_family_per_dtype(dtype: torch.dtype, family: str) -> tuple:
+    """By default gpt2 (Conv1D weights stored (K, N)) runs fp32 and llama ((N, K) weights) bf16; the other
+    pairs are slow. Both layouts of every provider are also checked at the op: test_native_linear_*."""
+    return () if (family == "gpt2") == (dtype == torch.float32) else (pytest.mark.slow,)
+
+
 @pytest.mark.parametrize(("dtype", "provider"), ALL_CASES, ids=[f"{str(d)[6:]}-{p}" for d, p in ALL_CASES])
 def test_provider_runs_exactly_where_the_cpu_has_its_kernels(dtype, provider):
     """A provider this CPU cannot run measures 0 GFLOP/s, so a measured choice never picks it; one it can
@@ -75,8 +85,9 @@ def test_provider_runs_exactly_where_the_cpu_has_its_kernels(dtype, provider):
     assert (rate > 0) == runs, f"{provider} {dtype}: {rate} GFLOP/s where ATen says supported={runs}"
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize(("dtype", "provider"), CASES, ids=[f"{str(d)[6:]}-{p}" for d, p in CASES])
+@pytest.mark.parametrize(("dtype", "provider", "family"), [
+    pytest.param(d, p, f, marks=_one_family_per_dtype(d, f), id=f"{str(d)[6:]}-{p}-{f}")
+    for d, p in CASES for f in ("gpt2", "llama")])
 def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
     # seq 8 after seq 16: the second variant reuses the operands packed for M = 32 at M = 16
     backend = _run(family, dtype, 2, GemmOptions(force=provider, cache_dir=str(tmp_path)), seqs=(16, 8))
@@ -92,7 +103,8 @@ def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
 # wrapper), as it does uncompiled in eager mode (test_forced_provider_equals_eager covers every provider
 # there): one socket and two, fp32 and bf16, packed oneDNN and MKL operands
 @pytest.mark.parametrize(("family", "dtype", "provider", "sockets"), [
-    ("gpt2", torch.float32, "onednn_packed", 1), ("llama", torch.bfloat16, "mkl_packed_f32", 2)])
+    pytest.param("gpt2", torch.float32, "onednn_packed", 1, marks=pytest.mark.slow),
+    ("llama", torch.bfloat16, "mkl_packed_f32", 2)])
 def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_path):
     assert _measures_a_rate(provider, dtype), f"{provider} is expected to run {dtype} on any x86-64 CPU torch supports"
     backend = _run(family, dtype, sockets, GemmOptions(force=provider, cache_dir=str(tmp_path)), mode="inductor")
@@ -229,8 +241,9 @@ def test_gemv_leaves_the_socket_workers_thread_count_alone():
     torch.testing.assert_close(y, x @ w)
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "family"), [
+    pytest.param(d, f, marks=_one_family_per_dtype(d, f), id=f"{str(d)[6:]}-{f}")
+    for d in (torch.float32, torch.bfloat16) for f in ("gpt2", "llama")])
 def test_forced_gemv_runs_the_matmuls_of_few_rows_and_leaves_more_to_aten(family, dtype, tmp_path):
     # batch 2: 4 tokens are 8 rows (gemv, on GPT-2's (K, N) and Llama's (N, K) weights as stored), 16
     # tokens 32 rows (past gemv's 16: ATen, on the same plain weights)
@@ -241,6 +254,7 @@ def test_forced_gemv_runs_the_matmuls_of_few_rows_and_leaves_more_to_aten(family
     assert backend.weights.report()["packed_tensors"] == 0
 
 
+@pytest.mark.slow
 def test_forced_gemv_under_inductor(tmp_path):
     backend = _run("gpt2", torch.bfloat16, 2, GemmOptions(force="gemv", cache_dir=str(tmp_path)), seqs=(4,),
                    mode="inductor")
@@ -248,6 +262,7 @@ def test_forced_gemv_under_inductor(tmp_path):
     _check_no_cuts(backend, 2)
 
 
+@pytest.mark.slow
 def test_generation_chooses_each_weights_providers_for_the_prompt_and_the_decode_steps(tmp_path):
     """With the decode steps to come in view, a weight whose prompt runs fastest packed but whose decode
     steps run fastest on gemv keeps its plain weight (ATen for the prompt, gemv for the steps) when the
@@ -606,6 +621,7 @@ def test_remeasure_option_replaces_rates_from_the_table(tmp_path):
         assert rates["onednn"] / rates["aten"] < 100
 
 
+@pytest.mark.slow
 def test_calibrate_remeasure_gemm_retimes_the_table(tmp_path):
     import os
     import subprocess
@@ -628,6 +644,7 @@ def test_calibrate_remeasure_gemm_retimes_the_table(tmp_path):
 
 
 # bf16 template kernels: test_inductor_template_compiles_each_weight_for_itself (one compile per weight)
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "dtype", "sockets"), [("gpt2", torch.float32, 2)])
 def test_inductor_template_provider_equals_eager(family, dtype, sockets, tmp_path):
     # Inductor's C++ GEMM template as a provider: one compile per weight, then any M (seq 16, then 8)
@@ -657,6 +674,7 @@ def test_inductor_template_keeps_no_plain_weight():
     torch.testing.assert_close(PROVIDERS["inductor_cpp"].call(x, op, b, 48, 32), expected)
 
 
+@pytest.mark.slow
 def test_inductor_template_is_measured_only_when_asked(tmp_path):
     assert "inductor_cpp" not in GemmOptions().providers
     opts = GemmOptions(providers=("aten", "inductor_cpp"), cache_dir=str(tmp_path))
@@ -668,7 +686,7 @@ def test_inductor_template_is_measured_only_when_asked(tmp_path):
         assert r["provider"] in ("aten", best)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_inductor_template_compiles_each_weight_for_itself(dtype):
     # two weights of one shape: each kernel computes with its own weight (no kernel comes back from a
     # cache with another weight's values), at M it was not traced for

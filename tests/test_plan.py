@@ -12,6 +12,8 @@ from tests.helpers import assert_close_to_eager
 FAMILIES = ["gpt2", "bert-small", "gemma3-270m", "llama"]
 SHAPES = [(1, 16), (2, 24)]
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module", params=[(f, d, s) for f in FAMILIES for d in (torch.float32, torch.bfloat16)
                                         for s in SHAPES], ids=lambda p: f"{p[0]}-{str(p[1])[6:]}-{p[2][0]}x{p[2][1]}")

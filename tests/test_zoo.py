@@ -7,6 +7,8 @@ import torch
 
 from numatp.zoo import PRESETS, build, config, describe, example_inputs
 
+pytestmark = pytest.mark.unit
+
 HEAD_CLASSES = {
     "gpt2": ("GPT2LMHeadModel", "GPT2Model"),
     "bert": ("BertForMaskedLM", "BertModel"),
