@@ -1,4 +1,6 @@
-"""Shared test helpers: the sysfs fixture trees of tests/fixtures/sysfs/."""
+"""Shared test helpers: the sysfs fixture trees of tests/fixtures/sysfs/, a private cache, the CLI in this
+process, and the tiers: every test is marked ``unit``, ``integration`` or ``numa``, plus ``slow`` where it
+is slow (pyproject's markers say which is which); a test without a tier fails the collection."""
 
 from __future__ import annotations
 
@@ -7,6 +9,25 @@ from pathlib import Path
 import pytest
 
 SYSFS_FIXTURES = Path(__file__).parent / "fixtures" / "sysfs"
+TIERS = ("unit", "integration", "slow", "numa")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a test without a tier (unmarked, it would run in the default selection whatever it costs) or
+    with two of unit, integration and numa. ``slow`` may sit beside a module's unit or integration mark:
+    the test is then in the slow tier (deselected by default, run by ``-m slow``)."""
+    bad = []
+    for item in items:
+        tiers = [t for t in TIERS if item.get_closest_marker(t)]
+        if not tiers or len([t for t in tiers if t != "slow"]) > 1:
+            bad.append(f"{item.nodeid}: {', '.join(tiers) or 'no tier'}")
+    if bad:
+        shown = "\n  ".join(bad[:20]) + ("\n  ..." if len(bad) > 20 else "")
+        raise pytest.UsageError(
+            f"{len(bad)} test(s) without exactly one tier:\n  {shown}\nmark each with one of unit, integration "
+            f"or numa (a module's `pytestmark = pytest.mark.unit`), plus `@pytest.mark.slow` where it is slow; "
+            f"pyproject.toml's markers say which tier is which")
 
 
 @pytest.fixture

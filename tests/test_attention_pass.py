@@ -12,6 +12,8 @@ from numatp.plan.attention_pass import fuse_single_query_attention
 
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
+pytestmark = pytest.mark.unit
+
 
 def _program(q, k, v, mask, **kw):
     """An FX program calling CPU flash attention as the trace shows it (output 0 read by getitem)."""

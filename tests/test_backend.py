@@ -19,7 +19,7 @@ from numatp.runtime.gemm import NATIVE
 from numatp.topology import Topology
 from tests.helpers import all_gathers, assert_close_to_eager, shared_cpu_topology
 
-pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:numatp. virtual sockets")]
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +57,7 @@ def test_runtime_equals_eager(family, dtype, sockets):
     assert all(r["gflops"] is None or r["gflops"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_inductor_one_socket_is_cut_once_per_layer():
     # Inductor's own matmuls (gemm=False): the segment counts below are exact, whatever this CPU's GEMM rates.
     # Two sockets under Inductor: tests/test_entry.py::test_dynamic_true_specialises_each_length_under_inductor

@@ -2,7 +2,8 @@
 child saw them), the sweep's failure paths, and the report from a fixture with known numbers.
 
 The sweep runs each configuration in a child process (~10-20 s each, compile included), so the
-whole module runs one shared sweep with warmup 1 and iters 2; timings are never asserted.
+whole module runs one shared sweep with warmup 1 and iters 2; timings are never asserted. The tests of
+that sweep and the decode sweep's real child are slow (``-m slow``); the rest run by default.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from numatp.bench.machine import cpu_model, estimate_bytes, resolve_ranks
 from numatp.bench.policy import choose_mechanism, launch_prefix, policy_for
 from numatp.cli import main
 from numatp.topology import Topology, parse_cpulist
+
+pytestmark = pytest.mark.unit
 
 FIXTURE = Path(__file__).parent / "fixtures" / "bench" / "results.jsonl"
 POLICY_MODES = ("interleave", "localalloc", "single-socket")
@@ -65,10 +68,12 @@ def _steady(topology: dict) -> dict:
     return {**topology, "nodes": [{k: v for k, v in n.items() if k != "memory_bytes"} for n in topology["nodes"]]}
 
 
+@pytest.mark.slow
 def test_one_line_per_configuration(records: dict[str, dict]) -> None:
     assert sorted(records) == sorted(MODES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_ok_line_schema(records: dict[str, dict], sweep: Path, machine: Topology, mode: str) -> None:
     r = records[mode]
@@ -118,6 +123,7 @@ def test_ok_line_schema(records: dict[str, dict], sweep: Path, machine: Topology
         assert r["placement"] is None
 
 
+@pytest.mark.slow
 def test_policies_as_the_child_saw_them(records: dict[str, dict], machine: Topology) -> None:
     ranks = resolve_ranks(None, machine)
     all_cpus = machine.allowed_cpus
@@ -138,6 +144,7 @@ def test_policies_as_the_child_saw_them(records: dict[str, dict], machine: Topol
         assert len(first.cpus) < len(all_cpus)
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_configurations(sweep: Path, machine: Topology) -> None:
     before = read_results(sweep / RESULTS)
     done = [m for m in MODES if any(r["mode"] == m and r["status"] == "ok" for r in before)]
@@ -149,6 +156,7 @@ def test_rerun_skips_finished_configurations(sweep: Path, machine: Topology) -> 
     assert read_results(sweep / RESULTS) == before
 
 
+@pytest.mark.slow
 def test_bench_writes_report(sweep: Path) -> None:
     summary = (sweep / "summary.md").read_text()
     assert "| single-socket |" in summary and (sweep / "speedup.png").is_file()
@@ -257,8 +265,7 @@ def test_policy_table_matches_an_independent_computation() -> None:
 
 
 def test_report_from_fixture(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    from matplotlib import image
+    from matplotlib import image   # the test extra installs matplotlib: its absence is a failure here
 
     assert main(["report", str(FIXTURE.parent), "--out", str(tmp_path)]) == 0
     names = {"heatmap-gpt2-float32.png", "heatmap-bert-small-float32.png", "speedup.png", "scaling.png"}
@@ -276,7 +283,6 @@ def test_report_from_fixture(tmp_path: Path) -> None:
 
 
 def test_no_scaling_plot_on_two_nodes(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     lines = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
     for r in lines:
         r["topology"]["nodes"] = r["topology"]["nodes"][:2]
@@ -301,6 +307,7 @@ def test_report_names_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureFix
     _refused(capsys, ["report", str(tmp_path / "nothing")], r"does not exist; run `numatp bench --out")
 
 
+@pytest.mark.slow
 def test_decode_sweep_records_first_token_and_tokens_per_second(tmp_path: Path, machine: Topology) -> None:
     # one real numatp child with --decode: the prefill timing, then three timed generations after one untimed
     assert main(["bench", "--tiny", "--model", "gpt2", "--batch", "1", "--seq", "8", "--warmup", "0", "--iters", "1",

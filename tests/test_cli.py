@@ -16,6 +16,8 @@ import numatp
 from numatp import zoo
 from tests.helpers import fresh_dynamo
 
+pytestmark = pytest.mark.integration
+
 
 def _numatp(*args: str, timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "numatp", *args], capture_output=True, text=True, timeout=timeout,
@@ -157,6 +159,8 @@ def test_explain_bad_socket_count_is_a_clear_error(cli):
 
 
 def test_demo_runs_baseline_and_numatp_side_by_side():
+    # the CLI end to end in the default run: a fresh interpreter, Inductor, and the demo's own check that
+    # baseline, unsharded and sharded outputs equal eager (it exits non-zero where one does not)
     r = _numatp("demo", "--tiny", "--warmup", "0", "--iters", "1", "--seq", "32")
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"speedup numatp / baseline: \d+\.\d\dx", r.stdout)
@@ -178,6 +182,7 @@ def test_generate_prints_first_token_and_decode_speed(cli):
     assert first_ms > 0 and tokens_per_s > 0 and ms_per_token == pytest.approx(1e3 / tokens_per_s, rel=1e-2)
 
 
+@pytest.mark.slow
 def test_generate_first_token_chooses_gemm_providers_for_the_prompt_alone(cli, monkeypatch):
     import numatp
 

@@ -16,6 +16,8 @@ from numatp.runtime.group import GroupAborted, SocketError, SocketGroup
 from numatp.topology import Topology
 from tests.helpers import shared_cpu_topology
 
+pytestmark = pytest.mark.integration
+
 
 def _on_threads(size: int, fn) -> list:
     """``[fn(0), ..., fn(size - 1)]``, each on its own thread at once; re-raises the first error."""
@@ -128,15 +130,20 @@ def _catch(fn):
 
 def test_a_socket_waiting_in_the_collective_does_not_hold_the_gil():
     # socket 0 waits in the barrier; socket 1 arrives only after the main thread has run Python code.
-    # If the waiting call held the GIL, the main thread could not run and the barrier would time out.
+    # If the waiting call held the GIL, the main thread could not run until socket 0's barrier timed out
+    # (20 s): socket 0 would end in CollectiveTimeout, not return
     comm = SocketComm(2, timeout=20)
-    worker = threading.Thread(target=comm.barrier, args=(0,))
+    outcome: list = []
+    start = time.perf_counter()
+    worker = threading.Thread(target=lambda: outcome.append(_catch(lambda: comm.barrier(0))))
     worker.start()
     time.sleep(0.1)
-    total = sum(i * i for i in range(200_000))   # pure Python: needs the GIL
+    squares = sum(i * i for i in range(200_000))   # pure Python: needs the GIL
     comm.barrier(1)
     worker.join(5)
-    assert total > 0 and not worker.is_alive()
+    assert not worker.is_alive() and outcome == [None], outcome
+    assert time.perf_counter() - start < 10
+    assert squares == 199_999 * 200_000 * 399_999 // 6
 
 
 def test_group_reports_a_stuck_socket_by_name():

@@ -2,6 +2,7 @@
 
 Paper = Rathnayaka Weerakoon et al., "NUMA-Torch", HiPC 2026 (/work/shared/seed/numa-torch-paper.txt).
 Its sweep (Sec. III-B/D): six models x batch {1, 2, 4, 8} x sequence {128 ... 4096} = 144 configurations.
+The commands (``numatp predict``, ``numatp calibrate``) run in subprocesses: slow (``-m slow``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from numatp.cost import (
 from numatp.cost import paper
 
 SHAPES = paper.MODELS
+
+pytestmark = pytest.mark.unit
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +112,7 @@ def test_findings_rules_can_fail_and_pass():
         ("haswell-ex-4s", "crossover")}
 
 
+@pytest.mark.slow
 def test_predict_paper_prints_every_finding():
     out = _cli("predict", "--paper", "--json", timeout=120)
     assert out.returncode == 0, out.stderr
@@ -200,6 +204,7 @@ def _cli(*args: str, timeout: float, env: dict[str, str] | None = None) -> subpr
                           timeout=timeout, check=False, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_predict_json_has_speedup():
     out = _cli("predict", "--platform", "haswell-2s", "--model", "gpt2", "--batch", "1", "--seq", "256",
                "--json", timeout=120)
@@ -208,6 +213,7 @@ def test_predict_json_has_speedup():
     assert result["speedup"] > 0 and set(result["seconds"]) == {"sharded", "unsharded", "one-socket"}
 
 
+@pytest.mark.slow
 def test_calibrate_quick_virtual_two_sockets(tmp_path):
     # The one test that measures this host: --quick on a virtual 2-socket topology (under a minute).
     path = tmp_path / "profile.json"
@@ -251,6 +257,7 @@ def test_decode_step_reads_every_weight_and_the_cache_and_sharding_splits_them()
                    head_dim=64, context=4)
 
 
+@pytest.mark.slow
 def test_predict_decode_lists_the_three_paper_platforms():
     out = _cli("predict", "--decode", "64", "--model", "gpt2", "--batch", "1", "--seq", "128", "--json", timeout=120)
     assert out.returncode == 0, out.stderr

@@ -22,7 +22,7 @@ from numatp import zoo
 from numatp.backend import BackendOptionError, backend_of
 from tests.helpers import assert_close_to_eager, fresh_dynamo, shared_cpu_topology
 
-pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings("ignore:numatp. virtual sockets")]
 
 
 @pytest.fixture(autouse=True)
@@ -162,6 +162,7 @@ def _tiny_config(family: str) -> transformers.PretrainedConfig:
 FAMILIES = ("gpt2", "llama", "qwen2", "gemma2", "phi3", "mistral")
 
 
+@pytest.mark.slow
 def test_many_families_in_one_process_through_the_registered_backend():
     # Dynamo may hand later models graphs with symbolic sizes (automatic dynamic shapes after
     # recompiles of shared transformers code): every one must run through numatp and equal eager
@@ -180,6 +181,7 @@ def test_many_families_in_one_process_through_the_registered_backend():
 
 
 def test_dynamic_true_specialises_each_length_under_inductor():
+    # prefill at 2 sockets under Inductor, end to end, in the default run
     model, _ = _gpt2()
     compiled = torch.compile(model, backend="numatp", dynamic=True, options={"sockets": 2, "gemm": False})
     with torch.inference_mode():
@@ -194,6 +196,7 @@ def test_dynamic_true_specialises_each_length_under_inductor():
     assert [r["socket"] for r in numatp.placement_report(compiled)["ranks"]] == [0, 1]
 
 
+@pytest.mark.slow
 def test_sharded_call_peak_memory_is_bounded():
     # a reduction's partials are dropped once every socket has summed them, so the peak of a sharded
     # call does not grow with depth: kept to the end of the call, 4 more layers would add 8 reductions x 2

@@ -8,7 +8,8 @@ projection for the query heads and a single K and V head read by slice and index
 parallel (Falcon), an encoder
 with a masked-LM head (RoBERTa). Every attention and MLP block must be sharded, two reductions per layer,
 and the result must equal eager, with no mask and with a padding mask. The threaded runtime runs the
-socket programs (uncompiled segments: what is checked is the pass and the runtime, not Inductor).
+socket programs (uncompiled segments: what is checked is the pass and the runtime, not Inductor). By
+default every family runs on 2 sockets; 4 sockets are slow (``-m slow``), the GQA split over 4 stays.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def _model(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return cls.from_config(cfg, attn_implementation=attn, dtype=dtype).eval()
 
 
-@pytest.mark.parametrize("sockets", [2, 4])
+@pytest.mark.integration
+@pytest.mark.parametrize("sockets", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_every_block_sharded_and_equal_to_eager(family, sockets):
     fresh_dynamo()
@@ -82,6 +84,7 @@ def test_every_block_sharded_and_equal_to_eager(family, sockets):
             assert plan.reductions == 2 * LAYERS + 1   # and one for the vocabulary-parallel embedding
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_bf16_equal_to_eager_within_rounding(family):
     fresh_dynamo()
@@ -94,6 +97,7 @@ def test_bf16_equal_to_eager_within_rounding(family):
     assert sharded.count("attention") == LAYERS and "embedding" in sharded
 
 
+@pytest.mark.integration
 def test_gqa_with_fewer_kv_heads_than_sockets_computes_each_sockets_own_kv_head():
     # Qwen2's 14 query heads in 2 K/V groups on 4 sockets: two sockets share each K/V head and split its
     # 7 query heads 4 + 3; each computes its one K/V head from its own column slice of k_proj
@@ -119,6 +123,7 @@ def test_gqa_with_fewer_kv_heads_than_sockets_computes_each_sockets_own_kv_head(
         assert [len(s) // head_dim for s in q.placement.splits] == [4, 3, 4, 3]
 
 
+@pytest.mark.unit
 def test_group_head_sets():
     assert group_head_sets(8, 8, 4, 2) == (IndexSet.range(0, 4), IndexSet.range(4, 8))     # whole groups
     assert group_head_sets(4, 8, 4, 2) == (IndexSet.range(0, 2), IndexSet.range(2, 4))
@@ -128,6 +133,7 @@ def test_group_head_sets():
     assert group_head_sets(4, 4, 2, 8) is None   # fewer query heads per group than sockets sharing it
 
 
+@pytest.mark.unit
 def test_kv_head_sets_finds_each_sockets_kv_heads_or_refuses():
     q = (IndexSet.range(0, 4), IndexSet.range(4, 7), IndexSet.range(7, 11), IndexSet.range(11, 14))
     assert kv_head_sets(q, 14, 2) == (IndexSet.range(0, 1),) * 2 + (IndexSet.range(1, 2),) * 2
@@ -136,6 +142,7 @@ def test_kv_head_sets_finds_each_sockets_kv_heads_or_refuses():
     assert kv_head_sets(uneven, 14, 2) is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("sockets", [2, 4])
 @pytest.mark.parametrize("name", zoo.PRESETS)
 def test_every_preset_shards_every_layer_block(name, sockets):
@@ -149,6 +156,7 @@ def test_every_preset_shards_every_layer_block(name, sockets):
     assert plan.reductions == 2 * model.config.num_hidden_layers + 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("sockets", [2, 4])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_vocabulary_parallel_embedding(family, sockets):

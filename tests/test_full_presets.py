@@ -12,7 +12,7 @@ from numatp import zoo
 from numatp.plan import capture, localize, plan_graph, run_reference
 from tests.helpers import assert_close_to_eager
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]   # full-size models: minutes each here
 
 
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m"])

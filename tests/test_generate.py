@@ -3,7 +3,9 @@
 Tiny configs (random weights) of GPT-2, Llama (grouped-query attention), Qwen2 (14 query heads in 2 K/V
 groups, tied embeddings) and Gemma 3 (one K/V head, sliding-window layers), batch 2 with the first row
 left-padded. Segments run uncompiled (``mode="eager"``) except where Inductor itself is the point: what is
-checked is the pass, the per-socket KV cache and the runtime.
+checked is the pass, the per-socket KV cache and the runtime. By default every family generates on 2
+sockets (fp32; bf16 for Llama) and GPT-2 once through Inductor; 1 and 4 sockets and the other bf16 families
+are slow (``-m slow``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from tests.test_families import LAYERS, _model
 
 FAMILIES = ["gpt2", "llama", "qwen2", "gemma3"]
 
+pytestmark = pytest.mark.integration
+
 
 def _tiny(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     if family == "gpt2":
@@ -39,7 +43,8 @@ def _prompt(model: torch.nn.Module, batch: int = 2, length: int = 8) -> tuple[to
     return ids, mask
 
 
-@pytest.mark.parametrize("sockets", [1, 2, 4])
+@pytest.mark.parametrize("sockets", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                     pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_equal_eager_generate(family, sockets):
     fresh_dynamo()
@@ -57,7 +62,8 @@ def test_greedy_tokens_equal_eager_generate(family, sockets):
             assert kinds.count("attention") == LAYERS and kinds.count("mlp") == LAYERS, plan.blocks
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
 def test_bf16_greedy_tokens_equal_eager_for_16_tokens_or_up_to_a_tie(family):
     # random tiny weights in bf16 give exact ties between the two best logits now and then (Gemma 3 here,
     # at its 12th token: 0.4707 and 0.4707); a row may part from eager only at such a tie

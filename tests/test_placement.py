@@ -18,6 +18,8 @@ from numatp.placement import PlacementError, _common, _syscalls, membind, memory
 
 PAGE = _syscalls.PAGE_SIZE
 
+pytestmark = pytest.mark.unit
+
 
 def _pages(t: torch.Tensor) -> int:
     return max(1, -(-t.numel() * t.element_size() // PAGE))

@@ -12,6 +12,8 @@ from tests.helpers import assert_close_to_eager
 FAMILIES = ["gpt2", "bert-small", "gemma3-270m", "llama"]
 SHAPES = [(1, 16), (2, 24)]
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module", params=[(f, d, s) for f in FAMILIES for d in (torch.float32, torch.bfloat16)
                                         for s in SHAPES], ids=lambda p: f"{p[0]}-{str(p[1])[6:]}-{p[2][0]}x{p[2][1]}")
@@ -84,13 +86,28 @@ def test_single_kv_head_is_computed_by_each_socket_from_its_own_rows():
 
 
 def test_uneven_splits_are_legal():
+    # tiny GPT-2 on 3 sockets: its 512 vocabulary rows, 256 MLP units and 4 heads (16 wide) do not split
+    # into 3 evenly; the first sockets take one more row, unit or head, the shards cover each weight, and
+    # the programs' logits (gathered from unequal column blocks) equal eager
     model = zoo.build("gpt2", tiny=True)
-    (ag, real), = capture(model, **zoo.example_inputs(model, batch=1, seq=16))
+    cfg = model.config
+    inputs = zoo.example_inputs(model, batch=1, seq=16)
+    (ag, real), = capture(model, **inputs)
     plan = plan_graph(ag, 3)
-    lm = plan.weights["lm_head.weight"]
-    col = next(u.placement for u in lm if isinstance(u.placement, Colwise))
-    sizes = [len(s) for s in col.splits]
-    assert sum(sizes) == model.config.vocab_size and len(set(sizes)) >= 1
+
+    def sizes(name: str, placement: type) -> list[int]:
+        use = next(u for u in plan.weights[name] if isinstance(u.placement, placement))
+        return [len(s) for s in use.placement.splits]
+
+    assert (cfg.vocab_size, 4 * cfg.n_embd, cfg.n_head, cfg.n_embd // cfg.n_head) == (512, 256, 4, 16)
+    assert sizes("lm_head.weight", Colwise) == [171, 171, 170]
+    assert sizes("transformer.h.0.mlp.c_fc.weight", Colwise) == [86, 85, 85]
+    assert sizes("transformer.h.1.mlp.c_proj.weight", Rowwise) == [86, 85, 85]
+    assert sizes("transformer.h.0.attn.c_proj.weight", Rowwise) == [32, 16, 16]   # 2 + 1 + 1 heads
+    assert sizes("transformer.h.1.attn.c_attn.weight", Colwise) == [96, 48, 48]   # their q, k and v columns
+    (logits,) = run_reference([localize(ag, plan, r) for r in range(3)], real)
+    with torch.no_grad():
+        assert_close_to_eager(logits, model(**inputs).logits, "gpt2 on 3 sockets, uneven shards")
 
 
 def test_bad_socket_counts_raise():

@@ -15,6 +15,8 @@ from numatp.topology import NumaNode, Socket, Topology, format_cpulist, model, p
 GIB = 1 << 30
 ALL = range(256)
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("text", "cpus"),

@@ -24,6 +24,7 @@ def _programs(ag, plan):
     return [localize(ag, plan, r).gm.code for r in range(plan.sockets)]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "phi3", "gemma3", "falcon", "bloom"])
 def test_a_plan_written_out_and_read_back_gives_the_same_programs(family):
     model = zoo.build("gpt2", tiny=True) if family == "gpt2" else _model(family)
@@ -39,6 +40,7 @@ def test_a_plan_written_out_and_read_back_gives_the_same_programs(family):
     assert again.to_tp_plan() == written
 
 
+@pytest.mark.unit
 def test_gpt2_plan_reads_as_transformers_writes_one():
     plan = plan_graph(_graph(zoo.build("gpt2", tiny=True)), 2).to_tp_plan()
     assert plan == {"lm_head": "colwise", "transformer.h.*.attn.c_attn": "colwise",
@@ -47,7 +49,9 @@ def test_gpt2_plan_reads_as_transformers_writes_one():
                     "transformer.wte": "vocab"}
 
 
-@pytest.mark.parametrize("preset", ["llama", "qwen2.5-0.5b", "llama-3.2-1b", "phi-3-mini", "gemma3-270m"])
+@pytest.mark.integration
+@pytest.mark.parametrize("preset", ["llama"] + [pytest.param(p, marks=pytest.mark.slow)
+                                               for p in ("qwen2.5-0.5b", "llama-3.2-1b", "phi-3-mini", "gemma3-270m")])
 def test_the_models_own_tp_plan_agrees_with_the_pass_and_runs(preset, cli):
     fresh_dynamo()
     model = zoo.build(preset, tiny=True)
@@ -63,6 +67,7 @@ def test_the_models_own_tp_plan_agrees_with_the_pass_and_runs(preset, cli):
     assert all(g["differs_from_pass"] == {} for g in json.loads(out)["graphs"])
 
 
+@pytest.mark.integration
 def test_overrides_replicate_a_block_and_one_projection_and_stay_equal_to_eager():
     fresh_dynamo()
     model = _model("llama")
@@ -84,6 +89,7 @@ def test_overrides_replicate_a_block_and_one_projection_and_stay_equal_to_eager(
     assert p.to_tp_plan()["model.layers.1.mlp.gate_proj"] == "replicate"
 
 
+@pytest.mark.unit
 def test_a_plan_can_shard_where_the_policy_would_not():
     ag = _graph(_model("llama"))
     plan = plan_graph(ag, 2, policy="auto", decide=lambda cand, n: ({"sharded": 2.0, "unsharded": 1.0}, "slower"),
@@ -103,6 +109,7 @@ class _NormedMLP(torch.nn.Module):
         return self.down(self.norm(self.up(x)))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("plan, message", [
     ({"transformer.h.*.attn.q_proj": "colwise"}, r"matches no module of this graph; did you mean"),
     ({"transformer.h.*.attn.c_proj": "colwise"}, r"the output projection of .*it is 'rowwise'"),
@@ -122,6 +129,7 @@ def test_decisions_the_graph_cannot_honour_are_named(plan, message):
         plan_graph(ag, 2, plan=parse_tp_plan(plan))
 
 
+@pytest.mark.unit
 def test_a_block_the_pass_cannot_shard_is_an_error_when_the_plan_asks_for_it():
     graphs = capture(_NormedMLP(), torch.randn(4, 16))
     (ag, _), = graphs
@@ -130,6 +138,7 @@ def test_a_block_the_pass_cannot_shard_is_an_error_when_the_plan_asks_for_it():
         plan_graph(ag, 2, plan=parse_tp_plan({"up": "colwise"}))
 
 
+@pytest.mark.integration
 def test_option_errors():
     model = zoo.build("gpt2", tiny=True)
     with pytest.raises(ValueError, match="ships no tp_plan"):
@@ -140,6 +149,7 @@ def test_option_errors():
         torch.compile(model, backend="numatp", options={"plan": "hf"})(input_ids=torch.ones(1, 4, dtype=torch.long))
 
 
+@pytest.mark.integration
 def test_explain_json_plan_passes_back_through_a_file(cli, tmp_path):
     code, out, _ = cli("explain", "gpt2", "--tiny", "--seq", "8", "--json")
     assert code == 0
@@ -153,6 +163,7 @@ def test_explain_json_plan_passes_back_through_a_file(cli, tmp_path):
     assert "transformer.h.1.mlp.c_fc: replicate (the pass: colwise)" in out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value, message", [
     ("colwise", r"in no attention or MLP block: outside a block numatp splits only an LM head"),
     ("rowwise", r"in no attention or MLP block: nothing before it splits its input"),

@@ -11,7 +11,7 @@ import numatp
 from numatp import zoo
 from numatp.backend import backend_of
 
-pytestmark = pytest.mark.numa
+pytestmark = [pytest.mark.numa, pytest.mark.timeout(2400)]   # under emulation; the guest run has 2400 s in all
 
 
 def test_compiled_tiny_gpt2_places_shards_and_matches_eager(topology):

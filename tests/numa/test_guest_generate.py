@@ -10,7 +10,7 @@ from numatp.backend import backend_of
 from numatp.placement import pages_by_node
 from tests.test_families import _model
 
-pytestmark = pytest.mark.numa
+pytestmark = [pytest.mark.numa, pytest.mark.timeout(2400)]   # under emulation; the guest run has 2400 s in all
 
 
 def test_generation_keeps_each_sockets_kv_heads_on_its_node(topology):

@@ -13,7 +13,7 @@ import torch
 
 from numatp.placement import _syscalls, membind, numa_clone, pages_by_node
 
-pytestmark = pytest.mark.numa
+pytestmark = [pytest.mark.numa, pytest.mark.timeout(2400)]   # under emulation; the guest run has 2400 s in all
 
 PAGE = _syscalls.PAGE_SIZE
 
