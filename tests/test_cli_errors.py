@@ -19,6 +19,8 @@ import pytest
 
 from numatp import zoo
 
+pytestmark = pytest.mark.integration   # the command line in subprocesses (no torch: fast)
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # Runs `numatp ARGS` through main and prints, after its exit code, whether torch was imported.

@@ -20,6 +20,8 @@ from numatp.topology import NumaNode, Socket, Topology, default_topology, resolv
 from numatp.topology.default import describe
 from tests.helpers import assert_close_to_eager, fresh_dynamo
 
+pytestmark = pytest.mark.integration   # compiles on socket groups (eager segments, one under Inductor)
+
 
 @pytest.fixture(autouse=True)
 def _fresh():

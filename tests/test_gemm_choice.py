@@ -20,7 +20,8 @@ from numatp.runtime.gemm import GEMM_OP, PROVIDERS, GemmShape, GemmTable, Machin
 from numatp.runtime.gemm.table import stored_rate
 from numatp.topology import Topology
 
-pytestmark = pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
+pytestmark = [pytest.mark.unit,   # no Inductor, no timing: measurements are injected
+              pytest.mark.filterwarnings("ignore:numatp. virtual sockets")]
 
 NOT_RATES = [0.0, -3.0, math.nan, math.inf, None]   # None: no entry at all
 SHAPE = GemmShape(32, 64, 64, "float32", "nk", 1)

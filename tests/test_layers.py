@@ -13,6 +13,8 @@ import pytest
 
 import numatp
 
+pytestmark = pytest.mark.unit   # reads the sources; the fresh-interpreter checks are also slow
+
 SRC = Path(numatp.__file__).parent
 
 
@@ -92,6 +94,7 @@ def test_no_import_cycles():
 
 # one end of each cycle there was (backend <-> generate, backend core <-> variants, runtime gemm <->
 # native, bench report <-> plots), imported first in an interpreter of its own
+@pytest.mark.slow   # a fresh interpreter per module: ~15 s each
 @pytest.mark.parametrize("module", ["numatp.generate", "numatp.backend.variants", "numatp.runtime.native",
                                     "numatp.bench.report"])
 def test_each_module_imports_alone_in_a_fresh_interpreter(module):

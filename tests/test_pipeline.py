@@ -15,6 +15,8 @@ from numatp.runtime import SegmentCompiler, ShardedExecutor, SocketGroup
 from numatp.runtime.segments import Collective, Segment
 from tests.helpers import assert_close_to_eager, shared_cpu_topology
 
+pytestmark = pytest.mark.integration   # threaded socket groups, the C++ collective
+
 ALL_REDUCE = torch.ops.numatp.all_reduce.default
 
 
