@@ -13,6 +13,6 @@ from numatp.placement import membind, numa_clone, pages_by_node
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
-__all__ = ["GemmOptions", "Topology", "compile", "generate", "membind", "numa_clone", "pages_by_node", "placement_report",
-           "plans"]
+__all__ = ["GemmOptions", "Topology", "compile", "generate", "membind", "numa_clone", "pages_by_node",
+           "placement_report", "plans"]
 __version__ = "0.1.0"

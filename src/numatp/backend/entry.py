@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     compiled = torch.compile(model, backend=backend, dynamic=False)
     if type(compiled) is OptimizedModule:
         compiled.__class__ = CompiledModel
-    return compiled
+    return compiled  # type: ignore[return-value]  # torch.compile of a Module is an OptimizedModule
 
 
 class CompiledModel(OptimizedModule):
@@ -106,7 +107,7 @@ def numatp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, optio
 
 def _calling_wrapper() -> Any:
     """The ``torch.compile`` wrapper whose call reached :func:`numatp_backend`, or None."""
-    frame = sys._getframe(2)   # 0: here, 1: numatp_backend, 2: the wrapper's __call__
+    frame: FrameType | None = sys._getframe(2)   # 0: here, 1: numatp_backend, 2: the wrapper's __call__
     for _ in range(4):
         if frame is None:
             break

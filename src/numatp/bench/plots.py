@@ -50,7 +50,8 @@ def heatmaps(means: Mapping[str, Mapping[Point, float]], out: Path) -> list[Path
         norm = LogNorm(vmin=min(values), vmax=max(values) * (1.0001 if min(values) == max(values) else 1))
         cols = min(len(panels), _HEATMAP_COLUMNS)
         rows = math.ceil(len(panels) / cols)
-        fig = Figure(figsize=(1.5 + 0.9 * len(seqs) * cols, 0.6 + (0.9 + 0.5 * len(batches)) * rows), layout="constrained")
+        fig = Figure(figsize=(1.5 + 0.9 * len(seqs) * cols, 0.6 + (0.9 + 0.5 * len(batches)) * rows),
+                     layout="constrained")
         axes = list(fig.subplots(rows, cols, squeeze=False).flat)
         for ax in axes[len(panels):]:
             ax.set_visible(False)

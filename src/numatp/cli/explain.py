@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 __all__ = ["add_parser", "explain"]
 
@@ -51,9 +52,16 @@ def explain(model_name: str, *, sockets: int, batch: int, seq: int, dtype: str, 
     model = zoo.build(model_name, tiny=tiny, dtype=getattr(torch, dtype))
     given = None
     if tp_plan is not None:
-        given = hf_tp_plan(model) if tp_plan == "hf" else parse_tp_plan(tp_plan)
+        if tp_plan == "hf":
+            given = hf_tp_plan(model)
+        elif isinstance(tp_plan, str):
+            raise ValueError(f"tp_plan={tp_plan!r}: a plan is 'hf' (the model's own) or a dict of module patterns "
+                             "to decisions; load a JSON file into a dict first")
+        else:
+            given = parse_tp_plan(tp_plan)
     graphs = capture(model, **zoo.example_inputs(model, batch=batch, seq=seq))
-    out = {"model": model_name, "sockets": sockets, "batch": batch, "seq": seq, "dtype": dtype, "graphs": []}
+    out: dict[str, Any] = {"model": model_name, "sockets": sockets, "batch": batch, "seq": seq, "dtype": dtype,
+                           "graphs": []}
     from numatp.backend import close_call
 
     decide = None
@@ -178,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{b['module']:<36} {b['kind']:<10} {decision:<12} {detail}")
         rep = sorted({w["name"] for w in g["weights"] if w["placement"] == "Replicate"})
         print(f"\nreplicated on every socket ({len(rep)} tensors: norms, small embeddings, biases after reductions, "
-              "K/V of too few heads): " + ", ".join(r.rsplit(".", 1)[0] for r in rep[:6]) + (" ..." if len(rep) > 6 else ""))
+              "K/V of too few heads): " + ", ".join(r.rsplit(".", 1)[0] for r in rep[:6])
+              + (" ..." if len(rep) > 6 else ""))
         print(f"cross-socket reductions: {g['reductions']} all-reduce, {g['gathers']} gather")
         print(f"weights: {g['model_bytes'] / _MIB:.1f} MiB, {100 * g['sharded_fraction']:.1f}% sharded; per socket: "
               + ", ".join(f"{b / _MIB:.1f} MiB" for b in g["socket_bytes"]))

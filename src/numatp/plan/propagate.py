@@ -9,6 +9,7 @@ other dimensions) or raises :class:`Unsupported`, which makes the whole block ru
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,7 +102,7 @@ def _align(layouts: list[tuple[Any, Any]], node: torch.fx.Node, info: NodeInfo) 
     """Common shard of an elementwise op's inputs, aligned to its output; full replicated inputs get cut."""
     out_rank = len(_shape(node) or ())
     shard: Shard | None = None
-    for key, arg in layouts:
+    for _key, arg in layouts:
         lay = arg.meta["numatp"].layout
         if isinstance(lay, Shard):
             d = lay.dim + out_rank - len(_shape(arg))
@@ -282,7 +283,7 @@ def _state_write(node: torch.fx.Node, block: int) -> Layout:
 
 def _seen(node: torch.fx.Node) -> set[torch.fx.Node]:
     """The nodes before ``node`` in its graph."""
-    out = set()
+    out: set[torch.fx.Node] = set()
     for n in node.graph.nodes:
         if n is node:
             return out
@@ -412,8 +413,8 @@ def _attention(node: torch.fx.Node, info: NodeInfo, block: int, grouped: set[int
 
 
 def propagate(gm: torch.fx.GraphModule, column_sets: dict[torch.fx.Node, tuple[int, tuple[IndexSet, ...]]],
-              rows: dict[torch.fx.Node, int], lm_heads: set[torch.fx.Node], grouped: set[int] = frozenset(),
-              states: set[torch.fx.Node] = frozenset()) -> None:
+              rows: dict[torch.fx.Node, int], lm_heads: set[torch.fx.Node], grouped: AbstractSet[int] = frozenset(),
+              states: AbstractSet[torch.fx.Node] = frozenset()) -> None:
     """Annotate every node with its :class:`NodeInfo`.
 
     ``column_sets`` maps a column (or LM-head) matmul to ``(block, per-socket output sets)``; ``rows`` maps a

@@ -196,12 +196,14 @@ def plan_graph(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: D
             row, cols, _ = members[e.block]
             if (row is None and cols[0].node in forced_lm) or (row is not None and row.node in forced):
                 grouping = isinstance(e, GroupSplit) and row is not None and row.node not in grouped
-                if not grouping or group_head_sets(e.q_heads, e.q_heads, e.kv_heads, sockets) is None:
+                # grouping implies a GroupSplit, which carries the head counts
+                if not grouping or group_head_sets(e.q_heads, e.q_heads, e.kv_heads,  # type: ignore[attr-defined]
+                                                   sockets) is None:
                     key = cols[0].node if row is None else row.node
                     value, pattern = (fixed.get(key) or next(fixed[m.node] for m in cols if m.node in fixed))[:2]
                     raise ValueError(f"{plan.source}: {pattern!r} asks {value} in "
                                      f"{_module([names[m.param] for m in [*cols, *([row] if row else [])]])}, "
-                                     f"which the pass cannot shard: {e.reason}")
+                                     f"which the pass cannot shard: {e.reason}") from e
             if isinstance(e, GroupSplit) and row is not None and row.node not in grouped:
                 if group_head_sets(e.q_heads, e.q_heads, e.kv_heads, sockets) is not None:
                     grouped[row.node] = (e.q_heads, e.kv_heads)
@@ -268,7 +270,9 @@ def _fixed(plan: TpPlan, ag: AtenGraph, matmuls: list[WeightMatmul], placeholder
 def _apply_fixed(plan, fixed, matmuls, names, excluded, reasons, no_lm_head) -> tuple[set, set, set]:
     """Blocks the plan shards (by row), LM heads it shards, column projections it replicates; blocks it
     replicates join ``excluded``. Decisions the dataflow cannot honour are errors."""
-    forced, forced_lm, forced_rep = set(), set(), set()
+    forced: set[torch.fx.Node] = set()
+    forced_lm: set[torch.fx.Node] = set()
+    forced_rep: set[torch.fx.Node] = set()
     if not fixed:
         return forced, forced_lm, forced_rep
     in_block = set()
@@ -402,7 +406,7 @@ def _auto(blocks, names, sockets, decide, accepted, reasons) -> tuple[str, dict[
     unsharded = sum(t["unsharded"] for *_, t, _ in preds)
     shard = bool(preds) and sharded < unsharded
     total = f"graph predicted {1e3 * sharded:.1f} ms sharded vs {1e3 * unsharded:.1f} ms unsharded"
-    for row, cand, module, times, why in preds:
+    for row, cand, module, _times, why in preds:
         if shard:
             accepted[row.node] = f"{why}; {total}"
         else:
@@ -468,9 +472,9 @@ def _schema(gm, sockets, matmuls, members, reasons, accepted, names, params, by_
         info = node.meta["numatp"]
         if node.target in _ATTENTION_MARKS:
             lay = [a.meta["numatp"].layout for a in node.all_input_nodes]
-            for l in lay:
-                if isinstance(l, Shard):
-                    kinds[l.block] = "attention"
+            for layout in lay:
+                if isinstance(layout, Shard):
+                    kinds[layout.block] = "attention"
         if node.op == "output":
             gathers = sum(isinstance(a.meta["numatp"].layout, Shard)
                           for a in node.args[0] if isinstance(a, torch.fx.Node))

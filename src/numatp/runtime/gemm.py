@@ -110,7 +110,7 @@ class Provider:
     name: str
     dtypes: tuple[torch.dtype, ...]
     packed: bool        # the operand is a packed copy (opaque, or MKL's buffer) that replaces the plain weight
-    prepare: Callable[[torch.Tensor, int], torch.Tensor]
+    prepare: Callable[..., Any]   # (w_nk, m), and the node where ``places``: a tensor, or a kernel object
     call: Callable[..., torch.Tensor]
     compiles: bool = False
     """``prepare`` compiles a kernel (seconds per weight): measured only when asked for, without a probe."""
@@ -228,7 +228,8 @@ class _TemplateGemm:
             # shape came back from it with that weight's values
             patches = {"max_autotune": True, "max_autotune_gemm_backends": "CPP", "fx_graph_cache": False,
                        "cpp.threads": torch.get_num_threads(), "freezing": True}
-            self._fn = compile_fx(gm, fake, config_patches=patches)
+            # compile_fx returns a callable here (file names only when compiling ahead of time)
+            self._fn: Callable[..., Any] = compile_fx(gm, fake, config_patches=patches)  # type: ignore[assignment]
             # the kernel has its own packed copy; the traced graph's reference to the plain weight would
             # keep a second copy alive
             for name, _ in list(gm.named_buffers()):
