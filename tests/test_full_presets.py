@@ -1,6 +1,6 @@
 """Full-size presets: the pass plans them and its reference executor equals eager (slow: outside CI).
 
-    python -m pytest -m slow tests/test_full_presets.py -s
+    python -m pytest -m full tests/test_full_presets.py -s
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from numatp import zoo
 from numatp.plan import capture, localize, plan_graph, run_reference
 from tests.helpers import assert_close_to_eager
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]   # full-size models: minutes each here
+pytestmark = [pytest.mark.slow, pytest.mark.full, pytest.mark.timeout(1800)]   # full-size models: minutes each here
 
 
 @pytest.mark.parametrize("preset", ["gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m"])

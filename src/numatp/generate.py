@@ -99,9 +99,9 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
         raise ValueError(f"{type(model).__name__} cannot generate: numatp generates with decoder-only "
                          "transformers models (a *ForCausalLM / *LMHeadModel)")
     gen_cfg = model.generation_config
-    pick = (lambda given, name, default=None:
-            given if given is not None else getattr(gen_cfg, name, None) if getattr(gen_cfg, name, None)
-            is not None else default)
+    def pick(given: Any, name: str, default: Any = None) -> Any:
+        configured = getattr(gen_cfg, name, None)
+        return given if given is not None else configured if configured is not None else default
     max_new_tokens = pick(max_new_tokens, "max_new_tokens", 20)
     do_sample = bool(pick(do_sample, "do_sample", False))
     eos = pick(eos_token_id, "eos_token_id")
@@ -183,7 +183,7 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                 if step == 1:
                     decode_start = time.perf_counter()
                 guards.step(step)
-                step_ids = run_ids if step == 0 else token[:, None]
+                step_ids = run_ids if step == 0 else token[:, None]  # type: ignore[index]  # step 0 set it
                 step_pos = positions if step == 0 else positions[:, -1:] + step
                 out = compiled(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
                                **{cache_arg: cache}, use_cache=True, logits_to_keep=1)
@@ -276,7 +276,7 @@ class _GuardSkip:
 
     def __init__(self) -> None:
         self._context: Any = None
-        self._frames = None
+        self._frames: int | None = None
         try:
             from torch._dynamo.eval_frame import _stance
             from torch._dynamo.utils import counters
@@ -314,8 +314,9 @@ def static_cache(model: torch.nn.Module, batch: int, max_len: int, dtype: torch.
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
-    cfg = model.config.get_text_config(decoder=True)
-    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    config: Any = model.config   # a transformers model's PretrainedConfig
+    cfg = config.get_text_config(decoder=True)
+    cache = StaticCache(config=config, max_cache_len=max_len)
     # a sliding-window layer keeps its length in a Python int (a new program per token under torch.compile);
     # a full-length layer holds every position and the model's sliding mask keeps the window
     cache.layers = [StaticLayer(max_cache_len=max_len) if isinstance(layer, StaticLayer) else layer

@@ -79,6 +79,7 @@ def _measure(config: Config, ranks_dict: dict[str, Any]) -> dict[str, Any]:
 
     with torch.inference_mode():
         started = time.perf_counter()
+        compiled: Any
         if config.mode in NUMATP_MODES:
             compiled = numatp.compile(model, sockets=_ranks(ranks_dict),
                                       policy="always" if config.mode == "numatp" else "auto")
@@ -122,7 +123,7 @@ def _decode(compiled: Any, inputs: dict[str, Any], new_tokens: int) -> dict[str,
 
     ids, mask = inputs["input_ids"], inputs.get("attention_mask")
     # no EOS: every generation makes all its tokens
-    kw = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
+    kw: dict[str, Any] = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
     generate_timed(compiled, ids, mask, **kw)
     runs = [generate_timed(compiled, ids, mask, **kw) for _ in range(_DECODE_RUNS)]
     return {"new_tokens": new_tokens,

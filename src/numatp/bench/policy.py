@@ -58,7 +58,8 @@ def policy_for(mode: str, machine: Topology, ranks: Topology) -> ProcessPolicy:
         return ProcessPolicy(mode, "local", (), None, ("--localalloc",))
     if mode == "single-socket":
         first = ranks.sockets[0]
-        whole_node = not ranks.is_virtual and set(first.cpus) == set(machine.node(first.node).cpus) & machine.allowed_cpus
+        whole_node = (not ranks.is_virtual
+                      and set(first.cpus) == set(machine.node(first.node).cpus) & machine.allowed_cpus)
         # --cpunodebind names a node; a virtual socket is only part of one, so name its CPUs.
         cpu_arg = f"--cpunodebind={first.node}" if whole_node else f"--physcpubind={format_cpulist(first.cpus)}"
         return ProcessPolicy(mode, "bind", (first.node,), tuple(first.cpus), (cpu_arg, f"--membind={first.node}"))

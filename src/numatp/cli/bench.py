@@ -15,7 +15,7 @@ _DEFAULT_SEQS = (128, 256, 512, 1024)
 _DEFAULT_OUT = "numatp-bench"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from numatp.bench.policy import MECHANISMS
     from numatp.bench.spec import DTYPES, MODES, PAPER_MODELS, QUICK
 

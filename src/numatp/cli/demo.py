@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 __all__ = ["add_parser", "run"]
 
@@ -113,12 +114,12 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         tp_out = tp(**inputs).logits
         tp_compile = time.perf_counter() - t0
-        tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=3e-2)
+        tol: dict[str, Any] = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=3e-2)
         for name, out in (("baseline", base_out), ("numatp unsharded", flat_out), ("numatp", tp_out)):
             diff = (out.float() - expected.float()).abs().max().item()
             torch.testing.assert_close(out, expected, **tol, msg=f"{name} differs from eager: max {diff:.3g}")
         _say(f"timing: {args.warmup} warm-up and {args.iters} timed calls each, interleaved")
-        modes = {"baseline": base, "unsharded": flat, "sharded": tp}
+        modes: dict[str, Any] = {"baseline": base, "unsharded": flat, "sharded": tp}
         times: dict[str, list[float]] = {k: [] for k in modes}
         for _ in range(args.warmup):
             for fn in modes.values():
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
             ex.sync_seconds[:] = [0.0] * len(ex.sync_seconds)
             ex.wait_seconds[:] = [0.0] * len(ex.wait_seconds)
             ex.gather_seconds[:] = [0.0] * len(ex.gather_seconds)
-        for i in range(args.iters):
+        for _ in range(args.iters):
             for name, fn in modes.items():
                 times[name] += _time(fn, inputs, 0, 1)
     report = numatp.placement_report(tp)

@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         ids, mask = enc["input_ids"], enc["attention_mask"]
     else:
         length = args.prompt_len or 128
-        ids = torch.randint(0, model.config.vocab_size, (args.batch, length), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, length),
+                            generator=torch.Generator().manual_seed(0))
         mask = torch.ones_like(ids)
     kw = dict(max_new_tokens=args.new_tokens, do_sample=args.sample)
     if args.prompt_bucket is not None:

@@ -157,5 +157,6 @@ def _paper(as_json: bool) -> int:
         rule = f" ({f.rule})" if f.rule else ""
         print(f"{f.platform:<15} {paper:>6} {f.predicted:>7.2f}  {holds:<5}  {f.claim}{rule}")
     checked = [f for f in rows if f.holds is not None]
-    print(f"{sum(f.holds for f in checked)} of {len(checked)} checked figures hold; the others are for comparison")
+    held = sum(bool(f.holds) for f in checked)
+    print(f"{held} of {len(checked)} checked figures hold; the others are for comparison")
     return 0

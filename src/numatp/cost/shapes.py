@@ -143,7 +143,7 @@ def blocks_for(
         ) from e
     if mlp not in _GATED:
         raise ValueError(f"MLP kind {mlp!r} is not modelled; the cost model knows {', '.join(_GATED)}")
-    common = {"batch": batch, "seq": seq, "hidden": hidden, "dtype": dtype}
+    common: dict[str, Any] = {"batch": batch, "seq": seq, "hidden": hidden, "dtype": dtype}
     attention = BlockShape(
         kind="attention", inner=heads * head_dim, kv_inner=kv_heads * head_dim, heads=heads,
         kv_heads=kv_heads, head_dim=head_dim, context=context, **common,

@@ -54,7 +54,7 @@ def refused(call: str, node: int, err: OSError, *, strict: bool, fallback: str) 
     """Handle a failed policy syscall: re-raise real errors; for a refusal, warn once per process and
     return (the caller then runs ``fallback``), or raise PlacementError when ``strict``."""
     global _warned
-    what = f"{call} to NUMA node {node} failed: {err.strerror} (errno {errno.errorcode.get(err.errno, err.errno)})"
+    what = f"{call} to NUMA node {node} failed: {err.strerror} (errno {errno.errorcode.get(err.errno or 0, err.errno)})"
     if err.errno not in _REFUSED:
         raise PlacementError(f"{what}; this is unexpected for a validated node, please report it") from err
     if strict:

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from numatp.plan import ops  # noqa: F401  (registers numatp::all_reduce / all_gather)
-from numatp.plan.propagate import Shard
+from numatp.plan.propagate import NodeInfo, Shard
 from numatp.plan.roles import TRANSPOSE_OPS, WeightMatmul, find_weight_matmuls, slice_bounds
 from numatp.plan.schema import Colwise, IndexSet, Placement, Plan, Replicate, Rowwise
 from numatp.plan.tp_pass import replica_users
@@ -84,7 +84,7 @@ def localize(ag: AtenGraph, plan: Plan, rank: int) -> LocalProgram:
     if missing:
         raise ValueError(f"this plan was made for another graph (it has no decision for {missing[:3]}); "
                          "plan the graph you localize")
-    infos = {n: plan.nodes[n.name] for n in src.nodes}
+    infos: dict[torch.fx.Node, NodeInfo] = {n: plan.nodes[n.name] for n in src.nodes}
     placeholders = [n for n in src.nodes if n.op == "placeholder"]
     params = {n for i, n in enumerate(placeholders) if ag.is_param[i]}
     by_node = {m.node: m for m in find_weight_matmuls(ag.gm, params)}
@@ -139,7 +139,8 @@ def localize(ag: AtenGraph, plan: Plan, rank: int) -> LocalProgram:
             g.output(tuple(outs))
             continue
         if info.role == "vocab":
-            env[node] = g.call_function(numatp_ops.all_reduce.default, (_lookup(g, node, env, weight, rank, infos), tag))
+            env[node] = g.call_function(numatp_ops.all_reduce.default,
+                                        (_lookup(g, node, env, weight, rank, infos), tag))
             tag += 1
             continue
         if info.role is not None:

@@ -89,8 +89,9 @@ def parse(plan: Mapping[str, str] | TpPlan, *, source: str = "plan") -> TpPlan:
             raise ValueError(f"{source}: {pattern!r} is not a module pattern (dotted names, * for one component)")
         norm = _SYNONYMS.get(value) if isinstance(value, str) else None
         if norm is None:
+            synonyms = ", ".join(k for k in _SYNONYMS if k not in VALUES)
             raise ValueError(f"{source}: {pattern!r}: {value!r} is not a decision numatp takes; use one of "
-                             f"{', '.join(VALUES)} (or transformers' {', '.join(k for k in _SYNONYMS if k not in VALUES)})")
+                             f"{', '.join(VALUES)} (or transformers' {synonyms})")
         entries.append((pattern, norm))
     return TpPlan(tuple(entries), source)
 

@@ -27,7 +27,8 @@ def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[i
     groups: list[tuple[list[int], list[int]]] = []
     i = j = 0
     while i < len(src) or j < len(dst):
-        gi, gj = [], []
+        gi: list[int] = []
+        gj: list[int] = []
         pi = pj = 1
         while True:
             if pi == pj and gi and gj:

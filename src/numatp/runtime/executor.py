@@ -110,7 +110,8 @@ class ShardedExecutor:
         size = self.group.size
         # each all-gather's full tensor, allocated here and written by the sockets as they get there: no
         # socket waits for another (its pages are not touched here, so each fills in on its writer's node)
-        slots = {s.tag: torch.empty(s.full[0], dtype=s.full[1]) for s in self.programs[0].steps
+        slots = {s.tag: torch.empty(s.full[0], dtype=s.full[1])  # type: ignore[index]  # an all-gather has full
+                 for s in self.programs[0].steps
                  if isinstance(s, Collective) and s.kind == "all_gather" and size > 1}
         sync = self.sync_seconds
         gathered = self.gather_seconds

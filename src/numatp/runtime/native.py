@@ -46,8 +46,9 @@ def compiler() -> str:
     except Exception:  # noqa: BLE001  (an Inductor without this helper: look on PATH)
         found = None
     for name in (found, "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     raise RuntimeError("numatp's C++ runtime is compiled on first use and needs a C++ compiler, the "
                        "same one torch.compile's C++ backend needs: none found (g++, c++, clang++) on PATH; "
                        "install one (Debian/Ubuntu: apt-get install g++) or point $CXX at it")

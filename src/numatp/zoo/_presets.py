@@ -8,11 +8,14 @@ RoPE of the full one, and shrinks depth, width and vocabulary so tests run in mi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 from transformers import (BertConfig, Gemma3TextConfig, GPT2Config, LlamaConfig, Phi3Config, PretrainedConfig,
                           Qwen2Config)
 
 __all__: list[str] = []  # private module: the public surface is numatp.zoo
+
+_C = TypeVar("_C", bound=PretrainedConfig)
 
 
 def _gpt2(*, layers: int, hidden: int, heads: int, vocab: int = 50257, positions: int = 1024) -> GPT2Config:
@@ -84,9 +87,9 @@ def _gemma3(
 
 
 def _swiglu_decoder(
-    cls: type[PretrainedConfig], *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
+    cls: Callable[..., _C], *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int,
     vocab: int, positions: int, eps: float, rope: dict, tied: bool, **extra,
-) -> PretrainedConfig:
+) -> _C:
     # The Llama layout that Llama, Qwen2 and their kin share: GQA, SwiGLU (silu gate), RMSNorm, RoPE.
     return cls(
         vocab_size=vocab,
