@@ -23,8 +23,8 @@ from numatp.progress import install as _install_progress, set_progress  # torch-
 
 _install_progress()   # before anything logs: progress lines on stderr where it is a terminal
 
-__all__ = ["GemmOptions", "Topology", "compile", "generate", "membind", "numa_clone", "pages_by_node", "placement_report",
-           "plans", "set_progress"]
+__all__ = ["GemmOptions", "Topology", "compile", "generate", "membind", "numa_clone", "pages_by_node",
+           "placement_report", "plans", "set_progress"]
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it. Loaded on first access (PEP 562) so that `numatp --help`

@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from numatp.backend.options import AUTO_MEASURE, Options, resolve_topology
     from numatp.backend.registry import BackendOptionError, backend_of, compiled_by_numatp, numatp_backend
 
-__all__ = ["AUTO_MEASURE", "BackendOptionError", "CompiledModel", "GEMM_DEFAULT", "NumaTPBackend", "Options", "backend_of", "close_call",
-           "compile", "compiled_by_numatp", "default_decider", "numatp_backend", "placement_report", "plans",
-           "resolve_topology", "runs_unsharded"]
+__all__ = ["AUTO_MEASURE", "BackendOptionError", "CompiledModel", "GEMM_DEFAULT", "NumaTPBackend", "Options",
+           "backend_of", "close_call", "compile", "compiled_by_numatp", "default_decider", "numatp_backend",
+           "placement_report", "plans", "resolve_topology", "runs_unsharded"]
 
 # Public name -> its module, loaded on first access (PEP 562). Importing one submodule (``numatp.generate``
 # reads ``numatp.backend.registry``) then loads that module alone, not ``entry``, which imports

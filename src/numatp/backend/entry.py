@@ -46,12 +46,12 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     ``numatp`` command too); an int N the first N sockets (N virtual sockets on a one-node machine); or a
     :class:`numatp.Topology`. Each compile logs one line saying which (``numatp.set_progress``).
     ``policy``: "always" shards every block numatp understands, "never" none (the graph runs unsharded
-    on all cores), "auto" asks the cost model per block and shards the whole graph or none of it; where its two predictions lie within
-    ``auto_measure`` (a fraction) of each other, both plans are built and the first call keeps the one
-    it measures faster. ``mode="eager"`` skips Inductor (debugging). ``gemm``: pick each weight matmul's
-    kernel (MKL, oneDNN, packed or not) by measuring it on this CPU (``True``, or :class:`GemmOptions`),
-    keep Inductor's (``False``), or numatp's default (``None``). ``plan``: decisions that override the pass
-    per module, in transformers' tp_plan vocabulary (``{"model.layers.*.mlp.down_proj": "rowwise", ...}``,
+    on all cores), "auto" asks the cost model per block and shards the whole graph or none of it; where
+    its two predictions lie within ``auto_measure`` (a fraction) of each other, both plans are built and
+    the first call keeps the one it measures faster. ``mode="eager"`` skips Inductor (debugging).
+    ``gemm``: pick each weight matmul's kernel (MKL, oneDNN, packed or not) by measuring it on this CPU
+    (``True``, or :class:`GemmOptions`), keep Inductor's (``False``), or numatp's default (``None``).
+    ``plan``: decisions that override the pass per module, in transformers' tp_plan vocabulary (``{"model.layers.*.mlp.down_proj": "rowwise", ...}``,
     values colwise, rowwise, replicate, vocab; see :mod:`numatp.plan.tp_plan`), or ``"hf"`` for the model's
     own tp_plan; ``numatp.plans(compiled)[i].to_tp_plan()`` gives a plan back in the same form. ``check``:
     check the contracts between the pipeline's steps as each graph is built (debugging; see
@@ -84,7 +84,8 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     backend = NumaTPBackend.from_options(options, names=names)
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an
     # attribute on the result would land on ``model`` itself, and on every later compile of it
-    compiled = torch.compile(model, backend=backend, dynamic=False, **_ISOLATED)
+    # isolate_recompiles is a keyword of torch.compile's implementation that its overloads do not list
+    compiled = torch.compile(model, backend=backend, dynamic=False, **_ISOLATED)  # type: ignore[call-overload]
     if type(compiled) is OptimizedModule:
         compiled.__class__ = CompiledModel
     return compiled

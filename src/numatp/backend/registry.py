@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from types import FrameType
 from collections.abc import Callable
 from typing import Any
 
@@ -76,7 +77,7 @@ NOT_RUN = ("this model has not run yet: numatp builds a model's socket programs,
 
 def _calling_wrapper() -> Any:
     """The ``torch.compile`` wrapper whose call reached :func:`numatp_backend`, or None."""
-    frame = sys._getframe(2)   # 0: here, 1: numatp_backend, 2: the wrapper's __call__
+    frame: FrameType | None = sys._getframe(2)   # 0: here, 1: numatp_backend, 2: the wrapper's __call__
     for _ in range(4):
         if frame is None:
             break

@@ -51,6 +51,8 @@ class Backend(Protocol):
     gemm: GemmSelector | None
     calls: int
     graphs: list[Any]
+    decode: Any
+    """The decode steps that follow the programs compiled now (``NumaTPBackend.decode_ahead``), or None."""
     state_policy: str | None
     """How every graph that writes a cache runs (prefill and decode must agree): fixed by the first."""
 

@@ -48,7 +48,8 @@ def heatmaps(means: Mapping[str, Mapping[Point, float]], out: Path) -> list[Path
         batches = sorted({p.batch for _, cells in panels for p in cells})
         seqs = sorted({p.seq for _, cells in panels for p in cells})
         values = [t for _, cells in panels for t in cells.values()]
-        norm = LogNorm(vmin=min(values), vmax=max(values) * (1.0001 if min(values) == max(values) else 1))
+        lo, hi = min(values), max(values) * (1.0001 if min(values) == max(values) else 1)
+        norm = LogNorm(vmin=lo, vmax=hi)
         cols = min(len(panels), _HEATMAP_COLUMNS)
         rows = math.ceil(len(panels) / cols)
         # a panel is never narrower than its axis label and 3-4 tick labels: a one-cell quick sweep too
@@ -75,7 +76,7 @@ def heatmaps(means: Mapping[str, Mapping[Point, float]], out: Path) -> list[Path
         bar = fig.colorbar(image, ax=axes[: len(panels)], label="mean prefill time (s)")
         # plain numbers at a few even steps: a log bar over less than a decade otherwise labels its minor
         # ticks in crowded powers of ten
-        ticks = np.geomspace(norm.vmin, norm.vmax, 5)
+        ticks = [float(t) for t in np.geomspace(lo, hi, 5)]
         bar.set_ticks(ticks, labels=[f"{t:.3g}" for t in ticks])
         bar.minorticks_off()
         fig.suptitle(f"{model} {dtype}: mean prefill time per call")

@@ -11,7 +11,7 @@ a mode, its latest ``"ok"`` line counts.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +113,7 @@ def _nodes(records: Iterable[Mapping[str, Any]]) -> int:
     return max((len(r["topology"]["nodes"]) for r in records if "topology" in r), default=0)
 
 
-def _machine_lines(records: list[Mapping[str, Any]]) -> list[str]:
+def _machine_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
     first = next((r for r in records if r.get("status") == "ok"), records[0] if records else None)
     if first is None:
         return ["No results yet."]
@@ -121,7 +121,8 @@ def _machine_lines(records: list[Mapping[str, Any]]) -> list[str]:
     sockets = len(ranks.get("sockets", []))
     kind = "virtual sockets on one node" if ranks.get("is_virtual") else "sockets"
     versions = ", ".join(f"{k} {v}" for k, v in first.get("versions", {}).items())
-    mechanisms = sorted({r["policy"]["mechanism"] for r in records if r.get("policy", {}).get("mechanism") not in (None, "none")})
+    mechanisms = sorted({r["policy"]["mechanism"] for r in records
+                         if r.get("policy", {}).get("mechanism") not in (None, "none")})
     counts = {s: sum(r.get("status") == s for r in records) for s in ("ok", "skipped", "error")}
     return [
         f"- CPU: {first.get('host', {}).get('cpu_model', 'unknown')}; {_nodes(records)} NUMA node(s); "
@@ -132,7 +133,7 @@ def _machine_lines(records: list[Mapping[str, Any]]) -> list[str]:
     ]
 
 
-def _markdown(records: list[Mapping[str, Any]], images: list[Path], plot_note: str | None) -> str:
+def _markdown(records: Sequence[Mapping[str, Any]], images: list[Path], plot_note: str | None) -> str:
     lines = ["# numatp bench summary", "", *_machine_lines(records), "",
              f"Tables and figures are numbered as in the paper: {CITATION} (https://arxiv.org/abs/2611.07105).", ""]
     rows = policy_table(records)
@@ -182,7 +183,8 @@ def _markdown(records: list[Mapping[str, Any]], images: list[Path], plot_note: s
     problems = [r for r in records if r.get("status") in ("skipped", "error")]
     if problems:
         lines += ["", "## Skipped and failed", ""]
-        lines += [f"- {r['status']}: {_label(r)} {r['dtype']} b{r['batch']} s{r['seq']} {r['mode']}: {r.get('reason', '')}"
+        lines += [f"- {r['status']}: {_label(r)} {r['dtype']} b{r['batch']} s{r['seq']} {r['mode']}: "
+                  f"{r.get('reason', '')}"
                   for r in problems]
     return "\n".join(lines) + "\n"
 
@@ -242,7 +244,8 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> list
     except ImportError as e:
         if not (e.name or "").startswith("matplotlib"):
             raise
-        plot_note = f"Figures were not drawn: matplotlib is not installed. Run `{_PLOT_HINT}`, then `numatp report {folder}`."
+        plot_note = (f"Figures were not drawn: matplotlib is not installed. Run `{_PLOT_HINT}`, then "
+                     f"`numatp report {folder}`.")
     else:
         images += plots.heatmaps(mean_times(records), out)
         images += plots.speedup_bars(speedups(records), out)

@@ -3,8 +3,8 @@
 Environment variables are read here and nowhere deeper in the library. A command fails with one line on
 stderr and exit code 2 for a bad argument (a model name, a path, a value out of range); ``--debug`` shows
 the traceback as well. Torch and transformers are imported inside the commands that need them, so that
-``--help`` and ``numatp topo`` start in a fraction of a second. ``NUMATP_PROGRESS=0|1`` turns numatp's progress lines off or on
-(default: on where stderr is a terminal).
+``--help`` and ``numatp topo`` start in a fraction of a second. ``NUMATP_PROGRESS=0|1`` turns numatp's
+progress lines off or on (default: on where stderr is a terminal).
 """
 
 from __future__ import annotations

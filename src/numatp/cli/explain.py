@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from typing import Any
 
 __all__ = ["add_parser", "explain"]
 
@@ -61,9 +62,16 @@ def explain(model_name: str, *, sockets: int | None, batch: int, seq: int, dtype
     model = zoo.build(model_name, tiny=tiny, dtype=getattr(torch, dtype))
     given = None
     if tp_plan is not None:
-        given = hf_tp_plan(model) if tp_plan == "hf" else parse_tp_plan(tp_plan)
+        if tp_plan == "hf":
+            given = hf_tp_plan(model)
+        elif isinstance(tp_plan, str):
+            raise ValueError(f"tp_plan={tp_plan!r}: a plan is 'hf' (the model's own) or a dict of module patterns "
+                             "to decisions; load a JSON file into a dict first")
+        else:
+            given = parse_tp_plan(tp_plan)
     graphs = capture(model, **zoo.example_inputs(model, batch=batch, seq=seq))
-    out = {"model": model_name, "sockets": sockets, "batch": batch, "seq": seq, "dtype": dtype, "graphs": []}
+    out: dict[str, Any] = {"model": model_name, "sockets": sockets, "batch": batch, "seq": seq, "dtype": dtype,
+                           "graphs": []}
     from numatp.backend import close_call
 
     decide = None
@@ -84,7 +92,8 @@ def explain(model_name: str, *, sockets: int | None, batch: int, seq: int, dtype
                                 "dim": getattr(pl, "dim", None),
                                 "splits": [str(s) for s in pl.splits] if isinstance(pl, (Colwise, Rowwise)) else None})
         sharded_bytes = plan.model_bytes - plan.replicated_bytes
-        blocks = [{"kind": b.kind, "module": _shown_module(model, b.kind, b.module), "sharded": b.sharded,
+        blocks: list[dict[str, Any]] = [
+            {"kind": b.kind, "module": _shown_module(model, b.kind, b.module), "sharded": b.sharded,
                    "columns": list(b.columns), "row": b.row, "replicated_columns": list(b.replicated_columns),
                    "reason": str(b.reason), "reason_kind": b.reason.kind} for b in plan.blocks]
         out["graphs"].append({

@@ -47,15 +47,15 @@ def assumptions(profiles: list[MachineProfile], dtype: str, *, builtin: bool) ->
     if builtin:
         rates = ", ".join(f"{p.peak_gflops[dtype] * p.gemm_efficiency.get(dtype, 1.0):.1f}" for p in profiles)
         shares = ", ".join(f"{100 * p.gemm_efficiency.get(dtype, 1.0):.0f}%" for p in profiles)
-        return (f"times assume the built-in profile{plural} {names}: the paper's platform{plural} (Table I of {CITATION}) from "
-                f"public specifications, running the paper's kernels (Triton-CPU, Sec. III-B) at {rates} GFLOP/s per "
-                f"socket in {dtype}, {shares} of the peak; torch's own GEMMs (MKL, oneDNN) run far faster there, so "
-                "read the speedups, not the milliseconds, for numatp on such a machine")
+        return (f"times assume the built-in profile{plural} {names}: the paper's platform{plural} (Table I of "
+                f"{CITATION}) from public specifications, running the paper's kernels (Triton-CPU, Sec. III-B) at "
+                f"{rates} GFLOP/s per socket in {dtype}, {shares} of the peak; torch's own GEMMs (MKL, oneDNN) run "
+                "far faster there, so read the speedups, not the milliseconds, for numatp on such a machine")
     rates = ", ".join(f"{max(rows):.1f}" if (rows := [g for d, *_, g in p.gemm_table if d == dtype]) else "unmeasured"
                       for p in profiles)
-    return (f"times assume the profile{plural} {names} that numatp calibrate measured on that machine: torch's GEMM kernels "
-            f"(torch.mm: MKL / oneDNN) at up to {rates} GFLOP/s per socket in {dtype}, its DRAM bandwidth, barrier "
-            "and all-reduce cost")
+    return (f"times assume the profile{plural} {names} that numatp calibrate measured on that machine: torch's "
+            f"GEMM kernels (torch.mm: MKL / oneDNN) at up to {rates} GFLOP/s per socket in {dtype}, its DRAM "
+            "bandwidth, barrier and all-reduce cost")
 
 
 def run(args: argparse.Namespace) -> int:

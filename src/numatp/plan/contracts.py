@@ -22,7 +22,7 @@ option ``check`` (``torch.compile(..., options={"check": True})``) or ``numatp e
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -48,6 +48,7 @@ class Programs(Protocol):
     local: list[LocalProgram]
     args: list[list[Any]]
     programs: list[SocketProgram]
+    stand_in: Callable[[Any], Any]
 
 
 class ContractError(AssertionError):
@@ -108,7 +109,8 @@ def same_collectives(done: Programs, *, stepped: bool = False) -> None:
             at = next((i for i, (a, b) in enumerate(zip(seqs[0], seq)) if a != b), min(len(seq), len(seqs[0])))
             raise ContractError(
                 f"socket {rank} performs {len(seq)} collectives and socket 0 {len(seqs[0])}, first differing at "
-                f"#{at}: {seq[at] if at < len(seq) else 'none'} against {seqs[0][at] if at < len(seqs[0]) else 'none'}; "
+                f"#{at}: {seq[at] if at < len(seq) else 'none'} against "
+                f"{seqs[0][at] if at < len(seqs[0]) else 'none'}; "
                 "every socket must perform the same collectives in the same order")
 
 

@@ -155,7 +155,8 @@ def compile(programs: list[SocketProgram], compiler: SegmentCompiler, group: Soc
 
 
 def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
-                   bind: Callable[[Sequence[LocalProgram]], list[list[Any]]], gemm: GemmSelector | BoundSelector | None = None,
+                   bind: Callable[[Sequence[LocalProgram]], list[list[Any]]],
+                   gemm: GemmSelector | BoundSelector | None = None,
                    check: bool = False) -> Programs:
     """Steps 3 to 8 for ``plan`` (made for ``ag``) on ``group``: the socket programs' steps, not compiled.
     ``bind`` gives each rank's arguments for the localized programs (the backend's stores, or
@@ -190,7 +191,8 @@ def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
 
 
 def build(ag: AtenGraph, plan: Plan, *, group: SocketGroup, compiler: SegmentCompiler,
-          bind: Callable[[Sequence[LocalProgram]], list[list[Any]]], gemm: GemmSelector | BoundSelector | None = None,
+          bind: Callable[[Sequence[LocalProgram]], list[list[Any]]],
+          gemm: GemmSelector | BoundSelector | None = None,
           check: bool = False) -> Programs:
     """Steps 3 to 9: :func:`lower_programs`, then :func:`compile`."""
     done = lower_programs(ag, plan, group=group, bind=bind, gemm=gemm, check=check)

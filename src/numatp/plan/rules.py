@@ -34,7 +34,7 @@ def _align(layouts: list[tuple[Any, Any]], node: torch.fx.Node, info: NodeInfo) 
     """Common shard of an elementwise op's inputs, aligned to its output; full replicated inputs get cut."""
     out_rank = len(shape_of(node) or ())
     shard: Shard | None = None
-    for key, arg in layouts:
+    for _key, arg in layouts:
         lay = arg.meta["numatp"].layout
         if isinstance(lay, Shard):
             d = lay.dim + out_rank - len(shape_of(arg))
@@ -313,7 +313,7 @@ def _state_write(node: torch.fx.Node, block: int) -> Layout:
 
 def _seen(node: torch.fx.Node) -> set[torch.fx.Node]:
     """The nodes before ``node`` in its graph."""
-    out = set()
+    out: set[torch.fx.Node] = set()
     for n in node.graph.nodes:
         if n is node:
             return out

@@ -186,7 +186,8 @@ class Reason:
             return (f"small table ({rows} x {width}) beside the {tuple(vocab)} vocabulary: replicated, sharding "
                     "it would add an all-reduce for little memory")
         if k == "uneven_table":
-            return f"{self.sizes[0]} rows cannot be split into one contiguous range per socket over {self.sockets} sockets"
+            return (f"{self.sizes[0]} rows cannot be split into one contiguous range per socket over {self.sockets} "
+                    "sockets")
         if k == "read_whole":
             return f"read whole by {self.op}: replicated"
         return self.detail   # reduction, no_rule, layout: the rule's own words name the op

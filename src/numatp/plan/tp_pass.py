@@ -221,7 +221,8 @@ def _relax(state: PlanState, rnd: Round, conflict: Conflict, sockets: int, names
     row, cols, _ = rnd.members[conflict.block]
     module = block_module([names[m.param] for m in [*cols, *([row] if row else [])]])
     regroup = conflict.groups is not None and row is not None and row.node not in state.grouped
-    can_group = regroup and group_head_sets(conflict.groups[0], *conflict.groups, sockets) is not None
+    q_heads, kv_heads = conflict.groups if conflict.groups is not None else (0, 0)
+    can_group = regroup and group_head_sets(q_heads, q_heads, kv_heads, sockets) is not None
     if (row is None and cols[0].node in state.forced_lm) or (row is not None and row.node in state.forced):
         if not can_group:
             key = cols[0].node if row is None else row.node
@@ -259,7 +260,7 @@ def _auto(blocks, names, sockets, decide, state: PlanState) -> str:
     unsharded = sum(t["unsharded"] for *_, t, _ in preds)
     shard = bool(preds) and sharded < unsharded
     state.predicted = {"sharded": sharded, "unsharded": unsharded} if preds else None
-    for row, cand, module, times, why in preds:
+    for row, cand, module, _times, why in preds:
         if shard:
             state.accepted[row.node] = why
         else:
@@ -287,9 +288,9 @@ def _schema(gm, sockets, members, state: PlanState, names, params, by_node, tabl
         info = node.meta["numatp"]
         if node.target in ATTENTION_MARKS:
             lay = [a.meta["numatp"].layout for a in node.all_input_nodes]
-            for l in lay:
-                if isinstance(l, Shard):
-                    kinds[l.block] = "attention"
+            for lo in lay:
+                if isinstance(lo, Shard):
+                    kinds[lo.block] = "attention"
         if node.op == "output":
             gathers = sum(isinstance(a.meta["numatp"].layout, Shard)
                           for a in node.args[0] if isinstance(a, torch.fx.Node))

@@ -72,7 +72,7 @@ def _resolve_config(name_or_path: str, *, tiny: bool = False) -> PretrainedConfi
     return cfg
 
 
-def _model_class(cfg: PretrainedConfig, *, head: bool) -> type[torch.nn.Module]:
+def _model_class(cfg: PretrainedConfig, *, head: bool) -> type[transformers.PreTrainedModel]:
     if cfg.model_type not in _CLASSES:
         raise ValueError(
             f"model type {cfg.model_type!r} is not in the zoo: supported types are "
@@ -140,7 +140,7 @@ def build(
     seed: int = 0,
     attn_implementation: str = "sdpa",
     machine: MachineFacts | None = None,
-) -> torch.nn.Module:
+) -> transformers.PreTrainedModel:
     """Build a preset with random weights, or load a local checkpoint, in eval mode and ``dtype``.
 
     ``head=True`` gives the LM-head variant (``GPT2LMHeadModel``, ``BertForMaskedLM``,

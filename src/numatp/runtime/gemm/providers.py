@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -91,7 +92,8 @@ class Provider:
     name: str
     dtypes: tuple[torch.dtype, ...]
     packed: bool        # the operand is a packed copy (opaque, or MKL's buffer) that replaces the plain weight
-    prepare: Callable[[torch.Tensor, int], torch.Tensor]
+    prepare: Callable[..., Any]
+    """``(w_nk, m)`` or, where ``places``, ``(w_nk, m, node)``; a class (``inductor_cpp``) is a callable too."""
     call: Callable[..., torch.Tensor]
     compiles: bool = False
     """``prepare`` compiles a kernel (seconds per weight): measured only when asked for, without a probe."""
@@ -209,7 +211,7 @@ class _TemplateGemm:
             # shape came back from it with that weight's values
             patches = {"max_autotune": True, "max_autotune_gemm_backends": "CPP", "fx_graph_cache": False,
                        "cpp.threads": torch.get_num_threads(), "freezing": True}
-            self._fn = compile_fx(gm, fake, config_patches=patches)
+            self._fn = cast(Callable[..., Any], compile_fx(gm, fake, config_patches=patches))
             # the kernel has its own packed copy; the traced graph's reference to the plain weight would
             # keep a second copy alive
             for name, _ in list(gm.named_buffers()):
