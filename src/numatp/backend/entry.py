@@ -52,7 +52,8 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     ``gemm``: pick each weight matmul's kernel (MKL, oneDNN, packed or not) by measuring it on this CPU
     (``True``, or :class:`GemmOptions`), keep Inductor's (``False``), or numatp's default (``None``).
     ``plan``: decisions that override the pass per module, in transformers' tp_plan vocabulary
-    (``{"model.layers.*.mlp.down_proj": "rowwise", ...}``, values colwise, rowwise, replicate, vocab; see :mod:`numatp.plan.tp_plan`), or ``"hf"`` for the model's
+    (``{"model.layers.*.mlp.down_proj": "rowwise", ...}``, values colwise, rowwise, replicate, vocab; see
+    :mod:`numatp.plan.tp_plan`), or ``"hf"`` for the model's
     own tp_plan; ``numatp.plans(compiled)[i].to_tp_plan()`` gives a plan back in the same form. ``check``:
     check the contracts between the pipeline's steps as each graph is built (debugging; see
     :mod:`numatp.plan.contracts`). An unknown keyword is a TypeError that lists the valid ones and the
