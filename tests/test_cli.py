@@ -172,6 +172,7 @@ def test_demo_runs_baseline_and_numatp_side_by_side():
     assert re.search(r"socket 1 weights -> node 0: \d+ pages \(\d+ KiB\)", r.stdout)
 
 
+@pytest.mark.slow   # a subprocess that compiles a prompt and a decode step (~30 s); demo covers the CLI
 def test_generate_prints_first_token_and_decode_speed(cli):
     fresh_dynamo()
     code, out, err = cli("generate", "gpt2", "--tiny", "--prompt-len", "8", "--new-tokens", "4", "--sockets", "2")
