@@ -87,7 +87,7 @@ class WeightStore:
         GEMM operands held in place of plain weights, ``opaque_tensors`` those of them whose pages cannot
         be read (oneDNN's, or the constant inside an Inductor GEMM kernel: MKL's packed weights are
         plain tensors, counted in the pages). MKL's packing reserves more than it writes; per rank,
-        ``unwritten_pages`` counts the pages of its buffers never touched, so resident nowhere (left out
+        ``unwritten_pages`` counts the pages of its buffers never written, so resident nowhere (left out
         of ``pages``)."""
         ranks = []
         local = total = opaque = packed = 0
@@ -111,7 +111,9 @@ class WeightStore:
                     continue
                 counts = pages_by_node(t)
                 if info is not None and PROVIDERS[info.provider].places:
-                    unwritten += counts.pop(-errno.ENOENT, 0)
+                    # never written: not present (-ENOENT), or the shared zero page once read (-EFAULT, seen
+                    # in the 4-node guest for MKL's packed buffers): resident on no node either way
+                    unwritten += counts.pop(-errno.ENOENT, 0) + counts.pop(-errno.EFAULT, 0)
                 for node, n in counts.items():
                     pages[node] = pages.get(node, 0) + n
             ranks.append({"socket": r, "node": sock.node, "pages": pages, "unwritten_pages": unwritten})
