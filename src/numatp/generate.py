@@ -21,6 +21,7 @@ gathers one row per sequence.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import dataclass
@@ -212,28 +213,22 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                       end - decode_start if decode_start is not None else 0.0)
 
 
-class _DecodeAhead:
+class _DecodeAhead(contextlib.ExitStack):
     """Tells numatp's backend, while the prompt and decode programs compile, that ``steps`` decode
     steps of ``rows`` rows follow the prompt: it then chooses each weight's providers for both. A backend
     made by the prompt's own call (``torch.compile(..., backend="numatp")`` before its first call) is
-    attached after it, in time for the decode step."""
+    attached after it, in time for the decode step; leaving the block restores the backend's hint."""
 
     def __init__(self, rows: int, steps: int):
+        super().__init__()
         self.rows, self.steps = rows, steps
-        self._ahead: Any = None   # the backend's decode_ahead block, entered once the backend exists
+        self._attached = False
 
     def attach(self, backend: Any) -> Any:
-        if self._ahead is None and getattr(backend, "gemm", None) is not None:
-            self._ahead = backend.decode_ahead(self.rows, self.steps)
-            self._ahead.__enter__()
+        if not self._attached and getattr(backend, "gemm", None) is not None:
+            self.enter_context(backend.decode_ahead(self.rows, self.steps))
+            self._attached = True
         return backend
-
-    def __enter__(self) -> _DecodeAhead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ahead is not None:
-            self._ahead.__exit__(None, None, None)
 
 
 def _backend(compiled: Any) -> Any:
