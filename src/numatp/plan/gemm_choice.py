@@ -26,7 +26,7 @@ from numatp.runtime.gemm import PROVIDERS, GemmShape, PackInfo, decode_shape, us
 __all__ = ["DEFAULT_PROVIDERS", "Decode", "GemmChoice", "GemmOptions", "Prior", "best_provider", "choose"]
 
 
-DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32", "gemv")
+DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32", "gemv", "q_dequant")
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,8 @@ class GemmChoice:
     copies: set[str] = field(default_factory=set)   # placeholders whose prompt operand is a second copy
     reads: dict[str, torch.Tensor] = field(default_factory=dict)   # placeholder -> the plain weight kept
     # beside a prompt's copy, which this (decode) program reads instead of the copy
+    weights: dict[str, str] = field(default_factory=dict)   # placeholder -> its quantized format, if quantized
+    nbytes: dict[str, int] = field(default_factory=dict)   # placeholder -> bytes of its quantized shard
 
 
 def best_provider(rates: Mapping[str, float], allowed: Sequence[str], *, margin: float = 1.05) -> str:

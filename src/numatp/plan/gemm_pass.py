@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -41,10 +41,12 @@ from numatp.progress import step as progress_step
 from numatp.plan.gemm_choice import Decode, GemmChoice, GemmOptions, Prior, choose, decode_shapes
 from numatp.plan.gemm_sites import Site, find_sites
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, MachineFacts, PackInfo,
-                                 PreparedOperands, Provider, measure_missing, stand_in)
+                                 PreparedOperands, Provider, measure_missing, stand_in, streams, usable_rates)
 from numatp.runtime.gemm.measurement import Measure
+from numatp.runtime.gemm.quant import QEMBEDDING_OP, QuantFormat, nbytes as quant_nbytes, quantize
 
-__all__ = ["BoundSelector", "Decode", "GemmChoice", "GemmOptions", "GemmSelector", "OperandRecord", "report_rows"]
+__all__ = ["BoundSelector", "Decode", "GemmChoice", "GemmOptions", "GemmSelector", "OperandRecord", "QuantWeights",
+           "report_rows"]
 
 log = logging.getLogger("numatp")
 aten = torch.ops.aten
@@ -60,6 +62,27 @@ class OperandRecord(Protocol):
     def record(self, operand: Any, info: PackInfo) -> None: ...
 
 
+@dataclass(frozen=True)
+class QuantWeights:
+    """Which weight matmuls read quantized shards (:mod:`numatp.runtime.gemm.quant`), and in which format:
+    ``body`` for every weight matmul but the LM head, ``head`` for the LM head (a matmul whose product is
+    the program's output; int8 by default, None keeps it in the model's dtype). Each socket quantizes its
+    own shard, after sharding, so a row-parallel shard's groups never straddle two sockets."""
+
+    body: QuantFormat
+    head: QuantFormat | None = QuantFormat(8)
+
+    @classmethod
+    def of(cls, weights: str | QuantFormat | None, *, keep_head: bool = False) -> QuantWeights | None:
+        """``weights`` as ``numatp.compile`` takes it ("int8", "int4", "int4:g32", None)."""
+        if weights is None:
+            return None
+        return cls(QuantFormat.parse(weights), None if keep_head else QuantFormat(8))
+
+    def format_for(self, head: bool) -> QuantFormat | None:
+        return self.head if head else self.body
+
+
 class GemmSelector:
     """Applies :class:`GemmOptions` to socket programs; one per compiled model (it holds the rate table).
 
@@ -67,8 +90,13 @@ class GemmSelector:
     shape's providers are timed (``measure_all``; a test injects its own)."""
 
     def __init__(self, options: GemmOptions | None = None, *, facts: MachineFacts | None = None,
-                 timer: Measure | None = None):
+                 timer: Measure | None = None, quant: QuantWeights | None = None):
         self.options = options or GemmOptions()
+        self.quant = quant
+        if quant is not None and not self.options.force and not self._quant_providers():
+            raise ValueError("quantized weights need a quantized GEMM provider among GemmOptions.providers "
+                             f"(e.g. {', '.join(p for p, v in PROVIDERS.items() if v.weights)}); "
+                             f"got {list(self.options.providers)}")
         self.facts = facts
         self.table = GemmTable(self.options.cache_dir, signature=facts.cpu_signature if facts else None)
         self.choices: list[GemmChoice] = []
@@ -103,11 +131,29 @@ class GemmSelector:
         operands = operands or self._operands
         facts = self.facts or MachineFacts.detect()
         sites = self._sites(group, gms, args, weights, operands, facts)
+        quantized = self._take_quantized(gms, sites, args, operands, facts)
         planned = self._choose(group, gms, sites, args, decode, operands, facts)
+        self._choose_quantized(group, gms, quantized, facts)
         swaps: list[dict[int, tuple]] = [{} for _ in gms]
         reads: list[dict[int, torch.Tensor]] = [{} for _ in gms]
-        todo: list[dict[int, tuple[Provider, torch.Tensor, int, str, str | None]]] = [{} for _ in gms]
+        todo: list[dict[int, tuple[Provider, torch.Tensor, int, str, str | None, str]]] = [{} for _ in gms]
         new_args = [list(a) for a in args]
+        for rank, (gm, rank_sites, choice) in enumerate(zip(gms, quantized, self.choices)):
+            names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            for ph, (fmt, group_sites) in rank_sites.items():
+                prov = choice.providers[ph.name]
+                idx = names.index(ph.name)
+                for site in group_sites:
+                    _rewrite(gm, site, prov)
+                for u in list(ph.users):  # transposes only the rewritten matmuls read
+                    if u.target in (aten.permute.default, aten.t.default) and not u.users:
+                        gm.graph.erase_node(u)
+                if operands.prepared(args[rank][idx]) is None:   # quantized once, by its socket's worker
+                    todo[rank][idx] = (PROVIDERS[prov], args[rank][idx], group_sites[0].shape.m,
+                                       group_sites[0].shape.layout, None, fmt.name)
+            gm.graph.lint()
+            gm.recompile()
+        shared = self._quantize_tables(gms, args, weights, operands, quantized, todo)
         for rank, (gm, rank_sites, choice) in enumerate(zip(gms, sites, self.choices)):
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             for ph, group_sites in rank_sites.items():
@@ -130,12 +176,12 @@ class GemmSelector:
                 if not prepared:
                     keep = choice.later.get(ph.name) if ph.name in choice.copies else None
                     todo[rank][idx] = (PROVIDERS[prov], arg, choice.shapes[ph.name].m,
-                                       choice.shapes[ph.name].layout, keep)
+                                       choice.shapes[ph.name].layout, keep, "")
             gm.graph.lint()
             gm.recompile()
         nodes = [s.node if group.binds_memory else None for s in group.topology.sockets]
-        made = group.run(lambda rank: {i: _prepare(p, w, m, lay, nodes[rank], keep)
-                                       for i, (p, w, m, lay, keep) in todo[rank].items()})
+        made = group.run(lambda rank: {i: _prepare(p, w, m, lay, nodes[rank], keep, fmt)
+                                       for i, (p, w, m, lay, keep, fmt) in todo[rank].items()})
         for rank, bytes_ in planned.items():
             self._copied[rank] = self._copied.get(rank, 0) + bytes_
         for rank, ops in enumerate(made):
@@ -144,6 +190,9 @@ class GemmSelector:
                     operands.record(op, info)
                 swaps[rank][i] = (args[rank][i], op)
                 new_args[rank][i] = op
+            for table, head in shared[rank].items():   # a tied head's lookup reads the head's quantized shard
+                swaps[rank][table] = (args[rank][table], new_args[rank][head])
+                new_args[rank][table] = new_args[rank][head]
         return gms, new_args, swaps, reads
 
     def preview(self, group: Any, gms: list[torch.fx.GraphModule], args: list[list[Any]], weights: list[set[int]],
@@ -153,7 +202,9 @@ class GemmSelector:
         operands = operands or self._operands
         facts = self.facts or MachineFacts.detect()
         sites = self._sites(group, gms, args, weights, operands, facts)
+        quantized = self._take_quantized(gms, sites, args, operands, facts)
         self._choose(group, gms, sites, args, decode, operands, facts)
+        self._choose_quantized(group, gms, quantized, facts)
         return self.report()
 
     def report(self) -> list[dict[str, Any]]:
@@ -198,6 +249,141 @@ class GemmSelector:
             self.choices.append(choice)
         return planned
 
+    def _quant_providers(self) -> list[str]:
+        return [p for p in self.options.providers if PROVIDERS[p].weights]
+
+    def _take_quantized(self, gms: list[torch.fx.GraphModule], sites: list[dict[torch.fx.Node, list[Site]]],
+                        args: list[list[Any]], operands: OperandRecord, facts: MachineFacts,
+                        ) -> list[dict[torch.fx.Node, tuple[QuantFormat, list[Site]]]]:
+        """Per rank, the weights that read quantized shards (taken out of ``sites``), with their format
+        and their sites at the quantized shapes: those already quantized (a recorded operand), and with
+        :attr:`quant`, every weight matmul's weight not yet prepared. A shard whose input size the
+        format's groups do not divide is an error naming the weight."""
+        out: list[dict[torch.fx.Node, tuple[QuantFormat, list[Site]]]] = []
+        for gm, rank_sites, rank_args in zip(gms, sites, args):
+            names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            taken: dict[torch.fx.Node, tuple[QuantFormat, list[Site]]] = {}
+            for ph, group_sites in list(rank_sites.items()):
+                info = operands.prepared(rank_args[names.index(ph.name)])
+                if info is not None and info.weights:
+                    fmt: QuantFormat | None = QuantFormat.parse(info.weights)
+                elif info is None and self.quant is not None:
+                    fmt = self.quant.format_for(any(_feeds_output(s.node) for s in group_sites))
+                else:
+                    fmt = None
+                if fmt is None:
+                    continue
+                s0 = group_sites[0].shape
+                if not fmt.fits(s0.k):
+                    fit = fmt.fitting_groups(s0.k)
+                    raise ValueError(
+                        f"weights='{fmt}': {_weight_name(ph.name)} has a shard of input size {s0.k} on a socket, "
+                        f"not a multiple of the int4 group {fmt.group}; "
+                        + (f"groups that fit: {', '.join(f'int4:g{g}' for g in fit)}" if fit
+                           else "no int4 group (32, 64, 128) divides it: use weights='int8'"))
+                q_bytes = quant_nbytes(s0.n, s0.k, fmt)
+                scaled = [replace(s, shape=replace(
+                    s.shape, weights=fmt.name,
+                    stream=streams(s.shape.m, s.weight_bytes * q_bytes // max(s.shape.weight_bytes, 1),
+                                   facts.llc_bytes))) for s in group_sites]
+                taken[ph] = (fmt, scaled)
+                del rank_sites[ph]
+            out.append(taken)
+        return out
+
+    def _choose_quantized(self, group: Any, gms: list[torch.fx.GraphModule],
+                          quantized: list[dict[torch.fx.Node, tuple[QuantFormat, list[Site]]]],
+                          facts: MachineFacts) -> None:
+        """Measure the quantized shapes the table lacks and add each quantized weight's provider to
+        :attr:`choices`: of the quantized providers that read its format and take its rows, the one of
+        least measured time over its sites (all of them read the same shard, so a prompt's program and a
+        decode step's each take their own)."""
+        if not any(quantized):
+            return
+        providers = self._quant_providers()
+        wanted = [[s.shape for _, ss in rank.values() for s in ss] for rank in quantized]
+        if not self.options.force:
+            self._measure_shapes(group, wanted, providers, "q_dequant")
+        for rank, choice in zip(quantized, self.choices):
+            for ph, (fmt, group_sites) in rank.items():
+                s0 = group_sites[0].shape
+                rates = usable_rates(self.table.get(s0))
+                if self.options.force:
+                    prov = self.options.force if PROVIDERS[self.options.force].weights and \
+                        all(PROVIDERS[self.options.force].runs(s.shape) for s in group_sites) else "q_dequant"
+                else:
+                    timed = {p: self._seconds(p, group_sites) for p in providers}
+                    prov = min(timed, key=lambda p: timed[p])
+                    if timed[prov] == float("inf"):
+                        # nothing measured usable: the reference kernel reads any format at any rows
+                        prov = "q_dequant"
+                choice.providers[ph.name] = prov
+                choice.shapes[ph.name] = s0
+                choice.rates[ph.name] = rates
+                choice.weights[ph.name] = fmt.name
+                choice.nbytes[ph.name] = quant_nbytes(s0.n, s0.k, fmt)
+
+    def _quantize_tables(self, gms: list[torch.fx.GraphModule], args: list[list[Any]], weights: list[set[int]],
+                         operands: OperandRecord,
+                         quantized: list[dict[torch.fx.Node, tuple[QuantFormat, list[Site]]]],
+                         todo: list[dict[int, tuple[Provider, torch.Tensor, int, str, str | None, str]]],
+                         ) -> list[dict[int, int]]:
+        """Embedding tables (weights read only by ``aten.embedding``) become ``numatp::qembedding`` of a
+        quantized table: one already quantized (a recorded operand) as it is; the lookup of a tied LM head
+        being quantized here reads the head's new shard (returned per rank as ``{table index: head
+        index}``, for the caller to swap once the head is made); with :attr:`quant` (and its ``head``
+        format: the LM head's, int8 unless kept in the model's dtype), any other table quantized by its
+        socket's worker (added to ``todo``)."""
+        shared: list[dict[int, int]] = [{} for _ in gms]
+        for rank, (gm, rank_args) in enumerate(zip(gms, args)):
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            heads = {id(rank_args[placeholders.index(ph)]): placeholders.index(ph) for ph in quantized[rank]
+                     if operands.prepared(rank_args[placeholders.index(ph)]) is None}
+            choice = self.choices[rank]
+            for i in sorted(weights[rank]):
+                ph, arg = placeholders[i], rank_args[i]
+                uses = list(ph.users)
+                if not uses or not all(u.target is aten.embedding.default and u.args[0] is ph for u in uses):
+                    continue
+                info = operands.prepared(arg)
+                if info is not None and info.weights:
+                    fmt = info.weights
+                elif info is None and id(arg) in heads:
+                    fmt = choice.weights[placeholders[heads[id(arg)]].name]
+                    shared[rank][i] = heads[id(arg)]
+                elif info is None and self.quant is not None and self.quant.head is not None:
+                    fmt = self.quant.head.name
+                    todo[rank][i] = (PROVIDERS["q_dequant"], arg, 0, "nk", None, fmt)
+                else:
+                    continue
+                plain = stand_in(arg, info)
+                rows, width = int(plain.shape[0]), int(plain.shape[1])
+                for u in uses:
+                    with gm.graph.inserting_before(u):
+                        new = gm.graph.call_function(QEMBEDDING_OP, (ph, u.args[1], width, plain.dtype))
+                    new.meta = dict(u.meta)
+                    u.replace_all_uses_with(new)
+                    gm.graph.erase_node(u)
+                choice.providers[ph.name] = "qembedding"
+                choice.shapes[ph.name] = GemmShape(0, width, rows, str(plain.dtype).removeprefix("torch."), "nk",
+                                                   0, weights=fmt)
+                choice.rates[ph.name] = {}
+                choice.weights[ph.name] = fmt
+                choice.nbytes[ph.name] = quant_nbytes(rows, width, fmt)
+            gm.graph.lint()
+            gm.recompile()
+        return shared
+
+    def _seconds(self, provider: str, sites: list[Site]) -> float:
+        """Measured time of ``provider`` over ``sites`` (inf where it has no usable rate or cannot run one)."""
+        total = 0.0
+        for s in sites:
+            r = usable_rates(self.table.get(s.shape)).get(provider)
+            if r is None or not PROVIDERS[provider].runs(s.shape):
+                return float("inf")
+            total += s.shape.flops / (r * 1e9)
+        return total
+
     def _planned_for(self, arg: Any) -> tuple[bool, str | None]:
         """Whether a program reads ``arg`` as its plain operand, and the decode provider planned for it."""
         ref, later = self._plain.get(id(arg), (None, None))
@@ -213,8 +399,17 @@ class GemmSelector:
         wanted = [[s.shape for ss in rank_sites.values() for s in ss] for rank_sites in sites]
         if decode is not None:   # a prompt's weights are chosen for the decode steps too: their shapes as well
             wanted = [w + decode_shapes(rank_sites, decode, facts.llc_bytes) for w, rank_sites in zip(wanted, sites)]
+        self._measure_shapes(group, wanted, providers, "aten")
+
+    def _measure_shapes(self, group: Any, wanted: list[list[GemmShape]], providers: list[str],
+                        baseline: str) -> None:
+        """Time on the socket workers (each socket its own ``wanted`` shapes, all at once) the providers
+        the table lacks where it has no usable rate of ``baseline`` (the provider every choice is
+        compared with: a provider that cannot run here is not timed again at every compile), or every
+        shape once with ``GemmOptions.remeasure``; the rates join the table."""
+        facts = self.facts or MachineFacts.detect()
         again = {s for w in wanted for s in w} - self._timed if self.options.remeasure else set()
-        if not again and all("aten" in (self.table.get(s) or {}) for w in wanted for s in w):
+        if not again and all(baseline in (self.table.get(s) or {}) for w in wanted for s in w):
             return
         # every socket measures its own shapes at the same time, so each rate is taken under the load
         # of the other sockets, as in a real call
@@ -274,12 +469,13 @@ def report_rows(choices: list[GemmChoice]) -> list[dict[str, Any]]:
             s = c.shapes[ph]
             rows.append({"rank": c.rank, "weight": ph, "m": s.m, "k": s.k, "n": s.n, "dtype": s.dtype,
                          "threads": s.threads, "provider": prov, "gflops": c.rates[ph].get(prov),
-                         "rates": c.rates[ph]})
+                         "rates": c.rates[ph], "storage": c.weights.get(ph, s.dtype),
+                         "bytes": c.nbytes.get(ph, s.k * s.n * getattr(torch, s.dtype).itemsize)})
     return rows
 
 
 def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int | None = None,
-             keep: str | None = None) -> tuple[torch.Tensor, PackInfo | None]:
+             keep: str | None = None, weights: str = "") -> tuple[torch.Tensor, PackInfo | None]:
     """The provider's operand for ``w``, made by the calling (socket) thread, and what it is (None where
     it is ``w`` itself). A new dense operand (the (N, K) copy of a Conv1D weight) is copied onto ``node``
     when one is given: the worker's allocator may hand it pages recycled from another node, where its
@@ -288,6 +484,13 @@ def _prepare(provider: Provider, w: torch.Tensor, m: int, layout: str, node: int
     ``keep`` (a decode provider), a new operand is a second copy: its :class:`PackInfo` holds ``w`` for
     the decode steps, which ``keep`` runs on."""
     w_nk = w if layout == "nk" else w.t()
+    if weights:   # the socket's own shard quantized, on its node: the operand of every provider of the format
+        with torch.no_grad():
+            op = quantize(w_nk, weights)
+        if node is not None:
+            from numatp.placement import numa_clone
+            op = numa_clone(op, node)
+        return op, PackInfo(provider.name, tuple(w.shape), w.dtype, layout, m, weights=weights)
     with torch.no_grad():
         op = provider.prepare(w_nk, m, node) if provider.places else provider.prepare(w_nk, m)
     if op is w_nk:  # dense providers keep the plain weight; nothing to swap
@@ -304,3 +507,24 @@ def _rewrite(gm: torch.fx.GraphModule, site: Site, provider: str) -> None:
     new.meta = dict(site.node.meta)
     site.node.replace_all_uses_with(new)
     gm.graph.erase_node(site.node)
+
+
+def _feeds_output(node: torch.fx.Node, depth: int = 4) -> bool:
+    """Whether a matmul's product is the program's output (an LM head's logits), through at most ``depth``
+    views, copies or all-gathers."""
+    if depth < 0:
+        return False
+    for u in node.users:
+        if u.op == "output":
+            return True
+        name = getattr(u.target, "__name__", str(u.target))
+        if any(k in name for k in ("view", "reshape", "all_gather", "clone", "_to_copy", "contiguous")) and \
+                _feeds_output(u, depth - 1):
+            return True
+    return False
+
+
+def _weight_name(placeholder: str) -> str:
+    """A weight placeholder's name as its parameter's, where Dynamo's naming shows it (``p_h_0_w`` keeps
+    underscores; the name is for error messages only)."""
+    return placeholder.removeprefix("p_").removeprefix("l_self_")

@@ -8,7 +8,7 @@ at their global indices.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from numatp.plan.ops import COLLECTIVES
 from numatp.plan.schema import Colwise, IndexSet, Placement, Replicate, Rowwise
 from numatp.runtime.segments import place
 
-__all__ = ["shard_tensor", "bind_inputs", "run_reference", "gather", "place"]
+__all__ = ["shard_tensor", "bind_inputs", "dequantized_inputs", "run_reference", "gather", "place"]
 
 _ALL_REDUCE, _ALL_GATHER = COLLECTIVES
 
@@ -35,8 +35,52 @@ def shard_tensor(t: torch.Tensor, placement: Placement, rank: int) -> torch.Tens
 
 
 def bind_inputs(bindings: Sequence[Binding], inputs: Sequence[Any], rank: int) -> list[Any]:
-    return [inputs[b.index] if b.placement is None else shard_tensor(inputs[b.index], b.placement, rank)
-            for b in bindings]
+    """Each binding's value on ``rank``; bindings of one input with one placement (a tied LM head and
+    its vocabulary-parallel lookup) share one shard, as a weight store hands them out."""
+    made: dict[tuple[int, str], Any] = {}
+    out = []
+    for b in bindings:
+        if b.placement is None:
+            out.append(inputs[b.index])
+            continue
+        key = (b.index, repr(b.placement))
+        if key not in made:
+            made[key] = shard_tensor(inputs[b.index], b.placement, rank)
+        out.append(made[key])
+    return out
+
+
+def dequantized_inputs(local: Sequence[LocalProgram], args: Sequence[Sequence[Any]], inputs: Sequence[Any],
+                       prepared: Callable[[Any], Any]) -> list[Any]:
+    """``inputs`` with each weight that the socket programs read quantized replaced by the values the
+    sockets hold: every shard dequantized in float32 (:func:`numatp.runtime.gemm.quant.dequantize`) and
+    put back at its global indices; the rest of such a weight, and every other input, as given. Running
+    the unsharded graph on these (in float32) is the reference a quantized model must equal to float32
+    rounding. ``prepared``: what an argument is (a weight store's or GEMM selector's record)."""
+    from numatp.runtime.gemm.quant import dequantize
+
+    out = list(inputs)
+    done: set[int] = set()
+    for prog, rank_args in zip(local, args):
+        for b, a in zip(prog.bindings, rank_args):
+            info = prepared(a) if b.placement is not None else None
+            if info is None or not getattr(info, "weights", ""):
+                continue
+            w = dequantize(a)
+            w = w if info.layout == "nk" else w.t()
+            if b.index not in done:
+                out[b.index] = inputs[b.index].detach().to(torch.float32).clone()
+                done.add(b.index)
+            full, p = out[b.index], b.placement
+            if isinstance(p, Replicate):
+                full.copy_(w)
+                continue
+            assert isinstance(p, (Colwise, Rowwise))
+            at = 0
+            for lo, hi in p.splits[prog.rank].intervals:
+                full.narrow(p.dim, lo, hi - lo).copy_(w.narrow(p.dim, at, hi - lo))
+                at += hi - lo
+    return out
 
 
 def _steps(gm: torch.fx.GraphModule, args: list[Any]) -> Generator[tuple[torch.fx.Node, Any], Any, Any]:

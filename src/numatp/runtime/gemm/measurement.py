@@ -75,13 +75,16 @@ def measure_all(providers: Mapping[str, Provider], shape: GemmShape, *, min_seco
         facts = MachineFacts.detect()
     copies = streamed_copies(shape, facts)
     ring = [w] + [w.clone() if shape.layout == "nk" else w.t().clone().t() for _ in range(copies - 1)]
+    if shape.weights:   # quantized: every quantized provider reads the same buffers (its prepare is the identity)
+        from numatp.runtime.gemm.quant import quantize
+        ring = [quantize(c, shape.weights) for c in ring]
     timed: dict[str, tuple[Provider, list[torch.Tensor]]] = {}
     with torch.inference_mode():
         for name, provider in providers.items():
             if not provider.runs(shape):
                 continue
             if shape.m > 32 and not provider.compiles:
-                probe = GemmShape(32, shape.k, shape.n, shape.dtype, shape.layout, shape.threads)
+                probe = GemmShape(32, shape.k, shape.n, shape.dtype, shape.layout, shape.threads, weights=shape.weights)
                 rate = measure(provider, probe, min_seconds=0.0, max_calls=1, seed=seed, facts=facts, clock=clock)
                 if rate == 0.0 or shape.flops / (rate * 1e9) > max_call_seconds:
                     rates[name] = rate

@@ -38,7 +38,8 @@ GEMM_OP = torch.ops.numatp.gemm.default
 
 @dataclass(frozen=True)
 class PackInfo:
-    """What a prepared operand is: its provider, the plain weight's shape/dtype/layout, the M it was packed for.
+    """What a prepared operand is: its provider, the plain weight's shape/dtype/layout, the M it was packed
+    for, and its quantized format where it is a quantized shard.
 
     ``plain`` and ``later``: where the operand is a second copy made for a prompt's rows (see
     ``GemmOptions.decode_copies``), the plain weight it was made from, kept for the decode steps, and the
@@ -51,6 +52,9 @@ class PackInfo:
     m: int
     plain: Any = field(default=None, compare=False, repr=False)
     later: str | None = None
+    weights: str = ""
+    """The quantized format of the operand (:mod:`numatp.runtime.gemm.quant`), which every provider of that
+    format reads as it is; empty: a plain or packed weight, read by ``provider`` alone."""
 
 
 @dataclass

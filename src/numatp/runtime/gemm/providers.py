@@ -58,18 +58,24 @@ class GemmShape:
     """The weight comes from memory, not cache, at every call: a decode step's few rows in a program whose
     weights outgrow the cache (:func:`numatp.runtime.gemm.measurement.streams`). Timed on a ring of copies
     (:func:`numatp.runtime.gemm.measurement.measure_all`)."""
+    weights: str = ""
+    """The weight's quantized format (``"int8"``, ``"int4:g64"``, :mod:`numatp.runtime.gemm.quant`), read
+    by the quantized providers only; empty: the plain weight in ``dtype``."""
 
     @property
     def key(self) -> str:
         return f"{self.dtype}|{self.m}|{self.k}|{self.n}|{self.layout}|t{self.threads}" + \
-            (f"|into{self.into}" if self.into else "") + ("|stream" if self.stream else "")
+            (f"|into{self.into}" if self.into else "") + ("|stream" if self.stream else "") + \
+            (f"|w={self.weights}" if self.weights else "")
 
     @classmethod
     def from_key(cls, key: str) -> GemmShape:
         """The shape a table key names (the inverse of :attr:`key`)."""
         dtype, m, k, n, layout, threads, *more = key.split("|")
         into = next((int(f.removeprefix("into")) for f in more if f.startswith("into")), 0)
-        return cls(int(m), int(k), int(n), dtype, layout, int(threads.removeprefix("t")), into, "stream" in more)
+        weights = next((f.removeprefix("w=") for f in more if f.startswith("w=")), "")
+        return cls(int(m), int(k), int(n), dtype, layout, int(threads.removeprefix("t")), into, "stream" in more,
+                   weights)
 
     @property
     def flops(self) -> int:
@@ -77,7 +83,10 @@ class GemmShape:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the (K, N) weight."""
+        """Bytes of the (K, N) weight (of its quantized buffer, where quantized)."""
+        if self.weights:
+            from numatp.runtime.gemm.quant import nbytes
+            return nbytes(self.n, self.k, self.weights)
         return self.k * self.n * getattr(torch, self.dtype).itemsize
 
 
@@ -105,9 +114,18 @@ class Provider:
     keeps_plain: tuple[str, ...] = ()
     """Layouts whose plain weight is the operand as it is (no copy, no packing), so that this provider
     and another such one can share the weight: one for a prompt's many rows, one for a decode step's few."""
+    weights: tuple[int, ...] = ()
+    """The quantized weights it reads (bits: 8, 4), as :mod:`numatp.runtime.gemm.quant` stores them; every
+    such provider reads the same buffer, its ``prepare`` is the identity. Empty: plain weights only."""
 
     def runs(self, shape: GemmShape) -> bool:
-        """Whether it takes ``shape``'s dtype and rows at all."""
+        """Whether it takes ``shape``'s dtype, rows and weights (plain or quantized, and which) at all."""
+        if shape.weights:
+            from numatp.runtime.gemm.quant import QuantFormat
+            if QuantFormat.parse(shape.weights).bits not in self.weights:
+                return False
+        elif self.weights:
+            return False
         return getattr(torch, shape.dtype) in self.dtypes and (self.max_rows is None or shape.m <= self.max_rows)
 
 
@@ -224,6 +242,12 @@ class _TemplateGemm:
         return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _dequant_call(x, buf, bias, n, k):
+    from numatp.runtime.gemm.quant import dequantize
+    w = dequantize(buf, x.dtype)
+    return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())
+
+
 PROVIDERS: dict[str, Provider] = {
     "aten": Provider("aten", (torch.float32, torch.bfloat16), False, lambda w, m: w, _aten_call,
                      keeps_plain=("nk", "kn")),
@@ -245,6 +269,10 @@ PROVIDERS: dict[str, Provider] = {
     # makes it the costliest to measure, so GemmOptions leaves it out unless asked for
     "inductor_cpp": Provider("inductor_cpp", (torch.float32, torch.bfloat16), True, _TemplateGemm,
                              lambda x, op, bias, n, k: op(x, bias), compiles=True),
+    # quantized weights: the whole weight dequantized to x's dtype, then ATen's matmul; the reference the
+    # quantized kernels are measured against
+    "q_dequant": Provider("q_dequant", (torch.float32, torch.bfloat16), False, lambda buf, m: buf, _dequant_call,
+                          weights=(8, 4)),
 }
 
 
