@@ -20,7 +20,7 @@ from numatp.backend.policy import close_call, default_decider, runs_unsharded
 from numatp.backend.states import StateStore
 from numatp.backend.variants import CompiledGraph
 from numatp.backend.weights import WeightStore
-from numatp.plan.gemm_pass import Decode, GemmOptions, GemmSelector, report_rows
+from numatp.plan.gemm_pass import Decode, GemmOptions, GemmSelector, QuantWeights, report_rows
 from numatp.plan.schema import Plan
 from numatp.runtime.group import SocketGroup
 from numatp.runtime.segments import SegmentCompiler
@@ -42,9 +42,10 @@ class NumaTPBackend:
     def __init__(self, topology: Topology, *, policy: str = "always", names: dict[int, str] | None = None,
                  decide: Callable | None = None, mode: str = "inductor", strict_placement: bool = False,
                  gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE, plan: Any = None,
-                 check: bool = False):
+                 check: bool = False, weights: str | None = None, keep_head: bool = False):
         checked = Options(sockets=topology, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
-                          auto_measure=auto_measure, plan=plan, check=check)   # the same checks as numatp.compile's
+                          auto_measure=auto_measure, plan=plan, check=check, weights=weights,
+                          keep_head=keep_head)   # the same checks as numatp.compile's
         if checked.plan == "hf":
             raise ValueError("plan='hf' needs the model to read its tp_plan: use numatp.compile(model, plan='hf'), "
                              "or pass the dict (numatp.plan.hf_tp_plan(model))")
@@ -60,7 +61,9 @@ class NumaTPBackend:
         self.states = StateStore(topology, strict=strict_placement)
         # how every graph that writes a cache runs (prefill and decode must agree): fixed by the first
         self.state_policy: str | None = None
-        self.gemm = _gemm_selector(gemm)
+        self.quant = QuantWeights.of(checked.weights, keep_head=keep_head)
+        """Which weights are quantized, and how (``weights=``; None: the model's dtype)."""
+        self.gemm = _gemm_selector(gemm, self.quant)
         self.decode: Decode | None = None
         """The decode steps that follow the graphs compiled now (:meth:`decode_ahead`), which the GEMM
         choice of a prompt's weights is given."""
@@ -77,7 +80,8 @@ class NumaTPBackend:
                  " (this machine's default; sockets= chooses)" if options.sockets is None else "")
         return cls(topology, policy=options.policy, names=names, mode=options.mode,
                    strict_placement=options.strict_placement, gemm=options.gemm,
-                   auto_measure=options.auto_measure, plan=options.plan, check=options.check)
+                   auto_measure=options.auto_measure, plan=options.plan, check=options.check,
+                   weights=options.weights, keep_head=options.keep_head)
 
     @property
     def group(self) -> SocketGroup:
@@ -139,14 +143,14 @@ class NumaTPBackend:
                 if v.executor is not None for row in report_rows(v.executor.gemm_choices)]
 
 
-def _gemm_selector(gemm: bool | GemmOptions | None) -> GemmSelector | None:
+def _gemm_selector(gemm: bool | GemmOptions | None, quant: QuantWeights | None = None) -> GemmSelector | None:
     """``gemm``: None = numatp's default (GEMM_DEFAULT), False = Inductor's own matmuls, True = measured
-    providers with default options, or :class:`GemmOptions`."""
+    providers with default options, or :class:`GemmOptions`; ``quant``: the quantized weights it prepares."""
     if gemm is None:
-        gemm = GEMM_DEFAULT
+        gemm = GEMM_DEFAULT or quant is not None
     if gemm is False:
         return None
-    return GemmSelector(gemm if isinstance(gemm, GemmOptions) else GemmOptions())
+    return GemmSelector(gemm if isinstance(gemm, GemmOptions) else GemmOptions(), quant=quant)
 
 
 GEMM_DEFAULT = True

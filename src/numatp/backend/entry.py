@@ -38,7 +38,8 @@ log = logging.getLogger("numatp")
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",
             mode: str = "inductor", strict_placement: bool = False,
             gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE,
-            plan: Any = None, check: bool = False, **unknown: Any) -> torch.nn.Module:
+            plan: Any = None, check: bool = False, weights: str | None = None, keep_head: bool = False,
+            **unknown: Any) -> torch.nn.Module:
     """``torch.compile(model)`` with NUMA-aware tensor parallelism over ``sockets``.
 
     ``sockets``: None uses the detected sockets, or 2 virtual sockets on a one-node machine with 2 or more
@@ -56,7 +57,11 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     :mod:`numatp.plan.tp_plan`), or ``"hf"`` for the model's
     own tp_plan; ``numatp.plans(compiled)[i].to_tp_plan()`` gives a plan back in the same form. ``check``:
     check the contracts between the pipeline's steps as each graph is built (debugging; see
-    :mod:`numatp.plan.contracts`). An unknown keyword is a TypeError that lists the valid ones and the
+    :mod:`numatp.plan.contracts`). ``weights``: quantized weights, "int8" (one scale per output channel)
+    or "int4" / "int4:g32" / "int4:g64" / "int4:g128" (groups along the input dimension), each socket
+    quantizing its own shard after sharding; the LM head and the embedding tables are int8 unless
+    ``keep_head=True`` keeps them in the model's dtype; None (default) keeps the model's dtype. An
+    unknown keyword is a TypeError that lists the valid ones and the
     closest (``polcy`` -> ``policy``).
 
     The first call with an input shape builds its socket programs (tens of seconds: tracing, GEMM
@@ -80,7 +85,7 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
         from numatp.plan.tp_plan import hf_tp_plan
         plan = hf_tp_plan(model)
     options = Options(sockets=sockets, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
-                      auto_measure=auto_measure, plan=plan, check=check)
+                      auto_measure=auto_measure, plan=plan, check=check, weights=weights, keep_head=keep_head)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     backend = NumaTPBackend.from_options(options, names=names)
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an

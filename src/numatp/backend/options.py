@@ -48,6 +48,14 @@ class Options:
     """Decisions that override the pass per module, in the tp_plan vocabulary (:mod:`numatp.plan.tp_plan`):
     a dict of module patterns to "colwise", "rowwise", "replicate" or "vocab", or "hf" for the model's own
     tp_plan (``numatp.compile`` only: it needs the model)."""
+    weights: str | None = None
+    """Quantized weights: "int8" (one scale per output channel), "int4" or "int4:gG" (G = 32, 64, 128:
+    groups along the input dimension; "int4" is "int4:g64"), each socket quantizing its own shard
+    (:mod:`numatp.runtime.gemm.quant`); None keeps the model's dtype. Needs the measured GEMM providers
+    (``gemm`` not False)."""
+    keep_head: bool = False
+    """With ``weights``: keep the LM head and the embedding tables in the model's dtype (by default they
+    are int8, whatever ``weights`` says of the other matmuls)."""
     check: bool = False
     """Check the contracts between the pipeline's steps after each step (:mod:`numatp.plan.contracts`:
     the same collectives on every socket, one reduction per sharded block, shard shapes, no foreign
@@ -66,6 +74,14 @@ class Options:
             raise ValueError(f"check={self.check!r}: pass True or False")
         if not (self.gemm is None or isinstance(self.gemm, (bool, GemmOptions))):
             raise ValueError(f"gemm={self.gemm!r}: pass None (default), True, False or a numatp.GemmOptions")
+        if self.weights is not None:
+            from numatp.runtime.gemm.quant import QuantFormat
+            object.__setattr__(self, "weights", QuantFormat.parse(self.weights).name)
+            if self.gemm is False:
+                raise ValueError(f"weights={self.weights!r} with gemm=False: quantized weights are read by numatp's "
+                                 "GEMM providers; drop gemm=False (or weights=)")
+        if not isinstance(self.keep_head, bool):
+            raise ValueError(f"keep_head={self.keep_head!r}: pass True or False")
         if self.plan is not None and self.plan != "hf":
             from numatp.plan.tp_plan import parse
             object.__setattr__(self, "plan", parse(self.plan))

@@ -42,8 +42,9 @@ class WeightStore:
         key = (id(param), type(p).__name__, getattr(p, "dim", None),
                str(p.splits[rank]) if not isinstance(p, Replicate) else None, b.lookup, rank)
         twin = (*key[:-2], not b.lookup, rank)
-        if key not in self._made and twin in self._made and self.prepared(self._made[twin]) is None:
-            self._made[key] = self._made[twin]   # a lookup and a tied LM head share one plain shard
+        if key not in self._made and twin in self._made and self._shareable(self._made[twin]):
+            # a lookup and a tied LM head share one shard: plain, or quantized (numatp::qembedding reads it)
+            self._made[key] = self._made[twin]
         if key not in self._made:
             self._keep.append(param)
             with torch.no_grad():
@@ -58,10 +59,16 @@ class WeightStore:
     def replace(self, rank: int, plain: torch.Tensor, prepared: torch.Tensor) -> None:
         """From now on hand out ``prepared`` (e.g. a GEMM-packed weight made on the socket) where ``rank``
         got ``plain`` for a matmul; the store drops its reference to ``plain``, so no second copy stays alive
-        here, unless a vocabulary-parallel lookup reads the same rows (a tied table keeps its plain shard)."""
+        here, unless a vocabulary-parallel lookup reads the same rows (a tied table keeps its plain shard,
+        except where the head's is quantized: the lookup reads the quantized rows)."""
         for key, t in self._made.items():
-            if key[-1] == rank and t is plain and not key[-2]:
+            if key[-1] == rank and t is plain and (not key[-2] or self._shareable(prepared)):
                 self._made[key] = prepared
+
+    def _shareable(self, t: Any) -> bool:
+        """Whether a lookup may read ``t``, its tied head's operand: a plain shard or a quantized one."""
+        info = self.prepared(t)
+        return info is None or bool(info.weights)
 
     def record(self, operand: Any, info: PackInfo) -> None:
         """``operand`` is a prepared GEMM operand, ``info`` what it is (made by a socket's worker)."""
@@ -88,19 +95,24 @@ class WeightStore:
         be read (oneDNN's, or the constant inside an Inductor GEMM kernel: MKL's packed weights are
         plain tensors, counted in the pages). MKL's packing reserves more than it writes; per rank,
         ``unwritten_pages`` counts the pages of its buffers never written, so resident nowhere (left out
-        of ``pages``)."""
+        of ``pages``); ``bytes`` the bytes of the tensors it holds (each once; opaque packed operands
+        not counted), the weight memory of a socket (quantized shards at their quantized size)."""
         ranks = []
         local = total = opaque = packed = 0
         for r, sock in enumerate(self.topology.sockets):
             pages: dict[int, int] = {}
             unwritten = 0
+            held: dict[int, int] = {}   # id -> bytes of each tensor this socket holds (a shared shard once)
             for key, t in self._made.items():
                 if key[-1] != r:
                     continue
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                    held[id(t)] = t.nbytes
                 info = self.prepared(t)
                 packed += info is not None and PROVIDERS[info.provider].packed
                 kept = getattr(info, "plain", None)
                 if kept is not None:   # the weight as stored, kept beside a prompt's copy for the decode steps
+                    held[id(kept)] = kept.nbytes
                     for node, n in pages_by_node(kept).items():
                         pages[node] = pages.get(node, 0) + n
                 if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
@@ -116,7 +128,8 @@ class WeightStore:
                     unwritten += counts.pop(-errno.ENOENT, 0) + counts.pop(-errno.EFAULT, 0)
                 for node, n in counts.items():
                     pages[node] = pages.get(node, 0) + n
-            ranks.append({"socket": r, "node": sock.node, "pages": pages, "unwritten_pages": unwritten})
+            ranks.append({"socket": r, "node": sock.node, "pages": pages, "unwritten_pages": unwritten,
+                          "bytes": sum(held.values())})
             local += pages.get(sock.node, 0)
             total += sum(n for node, n in pages.items() if node >= 0)
         return {"ranks": ranks, "local_fraction": (local / total) if total else 0.0,
