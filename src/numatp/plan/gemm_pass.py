@@ -277,7 +277,7 @@ class GemmSelector:
                 if not fmt.fits(s0.k):
                     fit = fmt.fitting_groups(s0.k)
                     raise ValueError(
-                        f"weights='{fmt}': {_weight_name(ph.name)} has a shard of input size {s0.k} on a socket, "
+                        f"weights='{fmt}': {_weight_name(ph)} has a shard of input size {s0.k} on a socket, "
                         f"not a multiple of the int4 group {fmt.group}; "
                         + (f"groups that fit: {', '.join(f'int4:g{g}' for g in fit)}" if fit
                            else "no int4 group (32, 64, 128) divides it: use weights='int8'"))
@@ -524,7 +524,6 @@ def _feeds_output(node: torch.fx.Node, depth: int = 4) -> bool:
     return False
 
 
-def _weight_name(placeholder: str) -> str:
-    """A weight placeholder's name as its parameter's, where Dynamo's naming shows it (``p_h_0_w`` keeps
-    underscores; the name is for error messages only)."""
-    return placeholder.removeprefix("p_").removeprefix("l_self_")
+def _weight_name(placeholder: torch.fx.Node) -> str:
+    """The parameter a weight placeholder binds (its name as the traced graph knew it), for messages."""
+    return str(placeholder.meta.get("numatp_param") or placeholder.name)

@@ -98,6 +98,7 @@ def localize(ag: AtenGraph, plan: Plan, rank: int) -> LocalProgram:
         if key not in weights:
             idx = placeholders.index(p)
             weights[key] = g.placeholder(f"{p.name}_{type(placement).__name__.lower()}{'_rows' if lookup else ''}")
+            weights[key].meta["numatp_param"] = ag.names[idx]   # the parameter's name, for messages
             bindings.append(Binding(idx, placement, lookup))
         return weights[key]
 
