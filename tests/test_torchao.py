@@ -1,8 +1,9 @@
 """numatp.quant.torchao: torchao's weight-only tensors read as numatp's int8/int4 values, exactly.
 
-Reference for each kind: int8, torchao's own ``weight.dequantize()`` (bit-exact); int4, the weight ATen's
-``_weight_int4pack_mm_for_cpu`` kernel multiplies by (torchao's CPU int4 tensor has no ``dequantize``), read
-out of the kernel by multiplying the identity (bit-exact: one nonzero term per output).
+Reference for each tensor: torchao's own ``weight.dequantize()`` (Int8Tensor, IntxUnpackedToInt8Tensor;
+bit-exact); for the CPU int4 tensor (no ``dequantize``) the weight ATen's ``_weight_int4pack_mm_for_cpu``
+kernel multiplies by, read out of the kernel by multiplying the identity (bit-exact: one nonzero term per
+output).
 
 Forward comparisons, torchao's eager model against the ``dequantized`` plain one, use the dtype
 tolerances of tests/helpers.py. Why they are not exact: torchao's int8 eager path is
@@ -10,6 +11,7 @@ tolerances of tests/helpers.py. Why they are not exact: torchao's int8 eager pat
 its int4 kernel multiplies by the float32 dequantized weight, while the plain model multiplies by the
 weight rounded once to the model dtype. fp32: summation order and FMA only (measured ~1e-7 absolute);
 bf16: a bf16 rounding of the weight or scale and one more of the output (a few bf16 ulps per layer).
+torchao's intx linear is ``F.linear`` on its own ``dequantize()``: there the forward is compared exactly.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ def _configs() -> dict:
     Inductor's coordinate-descent tuning for the rest of the process)."""
     tq = pytest.importorskip("torchao.quantization")
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
-    from torchao.quantization.granularity import PerTensor
+    from torchao.quantization.granularity import PerGroup, PerTensor
 
     return {
         "int8": tq.Int8WeightOnlyConfig(set_inductor_config=False),
         "int8-per-tensor": tq.Int8WeightOnlyConfig(granularity=PerTensor(), set_inductor_config=False),
         **{f"int4:g{g}": PrototypeInt4WeightOnlyConfig(group_size=g, set_inductor_config=False) for g in (32, 64, 128)},
+        "int8-intx": tq.IntxWeightOnlyConfig(),
+        "int4-intx:g32": tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
     }
 
 
@@ -53,7 +57,7 @@ def _mlp(dtype: torch.dtype) -> torch.nn.Sequential:
 
 def _reference(weight: torch.Tensor) -> torch.Tensor:
     """What torchao's eager forward multiplies by, in the weight's dtype."""
-    if type(weight).__name__ == "Int8Tensor":
+    if type(weight).__name__ != "Int4OpaqueTensor":
         return weight.dequantize()
     eye = torch.eye(weight.shape[1], dtype=weight.dtype)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, weight.qdata, weight.block_size[1],
@@ -61,7 +65,8 @@ def _reference(weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", ["int8", "int8-per-tensor", "int4:g32", "int4:g64", "int4:g128"])
+@pytest.mark.parametrize("config", ["int8", "int8-per-tensor", "int4:g32", "int4:g64", "int4:g128", "int8-intx",
+                                    "int4-intx:g32"])
 def test_extract_is_exact_and_dequantized_matches_eager(config, dtype):
     from torchao.quantization import quantize_
 
@@ -72,6 +77,8 @@ def test_extract_is_exact_and_dequantized_matches_eager(config, dtype):
         eager = model(x)
     params = dict(model.named_parameters())
     group = int(config.split(":g")[1]) if config.startswith("int4") else None
+    source = {"int8": "Int8Tensor", "int4": "Int4OpaqueTensor"}[config[:4]] if "intx" not in config else (
+        "IntxUnpackedToInt8Tensor")
     # int4 skips a weight whose K is not a multiple of the group (96 for groups 64 and 128): it stays float
     expected = {n for n in ("0.weight", "2.weight", "4.weight") if group is None or params[n].shape[1] % group == 0}
 
@@ -79,7 +86,7 @@ def test_extract_is_exact_and_dequantized_matches_eager(config, dtype):
     assert set(weights) == expected
     for name, w in weights.items():
         n, k = params[name].shape
-        assert (w.kind, w.group, w.dtype) == (config[:4], group, dtype)
+        assert (w.kind, w.group, w.dtype, w.source) == (config[:4], group, dtype, source)
         assert w.q.shape == (n, k)
         if w.kind == "int8":
             assert w.q.dtype == torch.int8 and w.zeros is None
@@ -88,8 +95,11 @@ def test_extract_is_exact_and_dequantized_matches_eager(config, dtype):
                 assert bool((w.scales == w.scales[0]).all())
         else:
             assert w.q.dtype == torch.uint8 and int(w.q.min()) >= 0 and int(w.q.max()) <= 15
-            assert w.scales.shape == w.zeros.shape == (n, k // group)
-            assert w.scales.dtype == w.zeros.dtype == dtype
+            assert w.scales.shape == (n, k // group) and w.scales.dtype == dtype
+            if "intx" in config:   # symmetric: no zero points
+                assert w.zeros is None
+            else:   # tinygemm's float zero points
+                assert w.zeros.shape == (n, k // group) and w.zeros.dtype == dtype
             assert len(w.q.unique()) > 8   # the values were unpacked, not a constant
         assert torch.equal(w.dequantize(), _reference(params[name])), name
 
@@ -101,7 +111,10 @@ def test_extract_is_exact_and_dequantized_matches_eager(config, dtype):
         assert "weight=" not in model.get_submodule(name[:-len(".weight")]).extra_repr()   # torchao's went too
     with torch.inference_mode():
         plain = model(x)
-    assert_close_to_eager(plain, eager, f"{config} {dtype}")
+    if "intx" in config:   # torchao's eager intx linear is F.linear on its dequantize(): the same op, bit for bit
+        assert torch.equal(plain, eager)
+    else:
+        assert_close_to_eager(plain, eager, f"{config} {dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -140,7 +153,10 @@ def test_unsupported_configs_are_refused_by_name():
         "Int8DynamicActivationInt8WeightConfig": tq.Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
         "block size [1, 32]": tq.Int8WeightOnlyConfig(granularity=PerGroup(32), set_inductor_config=False),
         "Float8Tensor": tq.Float8WeightOnlyConfig(set_inductor_config=False),
-        "IntxUnpackedToInt8Tensor": tq.IntxWeightOnlyConfig(),
+        "IntxUnpackedToInt8Tensor (asymmetric": tq.IntxWeightOnlyConfig(
+            weight_dtype=torch.int4, granularity=PerGroup(32), mapping_type=MappingType.ASYMMETRIC),
+        "torch.int2 in blocks of [1, 32]": tq.IntxWeightOnlyConfig(weight_dtype=torch.int2,
+                                                                   granularity=PerGroup(32)),
     }
     for what, config in cases.items():
         model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
@@ -148,7 +164,7 @@ def test_unsupported_configs_are_refused_by_name():
         with pytest.raises(TorchaoFormatError) as e:
             dequantized(model)
         message = str(e.value)
-        for part in ("0.weight", what, "Int8WeightOnlyConfig", "PrototypeInt4WeightOnlyConfig"):
+        for part in ("0.weight", what, "Int8WeightOnlyConfig", "PrototypeInt4WeightOnlyConfig", "IntxWeightOnlyConfig"):
             assert part in message, (part, message)
         assert type(model[0].weight).__module__.startswith("torchao")   # refused before anything changed
 

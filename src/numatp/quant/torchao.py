@@ -11,8 +11,9 @@ stores for a 2-D weight ``W`` of shape ``(N, K)`` (``nn.Linear`` layout), unpack
   multiply-add in float32, rounded once to ``dtype``; the zero point is in the float domain).
 
 :meth:`TorchaoWeight.dequantize` is that formula. It equals torchao's own ``weight.dequantize()`` bit for
-bit for int8, and for int4 (torchao's CPU int4 tensor has no ``dequantize``) the weight that ATen's
-``_weight_int4pack_mm_for_cpu`` kernel multiplies by, which dequantizes in float32 with one FMA.
+bit where torchao has one (``Int8Tensor``, ``IntxUnpackedToInt8Tensor``), and for the CPU int4 tensor (no
+``dequantize``) the weight that ATen's ``_weight_int4pack_mm_for_cpu`` kernel multiplies by, which
+dequantizes in float32 with one FMA.
 
 :func:`dequantized` replaces those parameters by plain float tensors equal to that dequantization, so the
 model traces and plans like an unquantized one, and returns the same dict.
@@ -27,6 +28,10 @@ What is read (torchao 0.18; the classes are matched by name, so a version that m
   ``(N, K / 2)`` packed by ``aten._convert_weight_to_int4pack_for_cpu`` (a layout that depends on the CPU
   capability ATen dispatched to: AVX512, AVX2 or the scalar one), ``scale_and_zero`` ``(K / group, N, 2)``
   in the model dtype, ``block_size`` ``[1, group]``.
+- ``IntxUnpackedToInt8Tensor`` (``IntxWeightOnlyConfig``, symmetric): ``qdata`` int8 ``(N, K)`` one value
+  an element (-8..7 for ``weight_dtype=torch.int4``, read as ``q = qdata + 8``), ``scale`` ``(N, K /
+  block)`` in ``scale_dtype`` or the model dtype, ``zero_point`` int8 zeros, ``target_dtype`` and
+  ``block_size`` ``[1, K]`` (int8, ``PerAxis(0)``) or ``[1, group]`` (int4, ``PerGroup(group)``).
 
 Anything else from torchao (dynamic activation quantization, float8, per-group int8, asymmetric int8, an
 activation pre-scale, int4 in another packing) is refused with :class:`TorchaoFormatError`, which names
@@ -45,7 +50,8 @@ __all__ = ["SUPPORTED", "TorchaoFormatError", "TorchaoWeight", "dequantized", "e
 
 SUPPORTED = ("torchao.quantization.Int8WeightOnlyConfig() (per row or per tensor), "
              "torchao.prototype.quantization.int4.PrototypeInt4WeightOnlyConfig(group_size=32, 64 or 128) "
-             "(torchao's int4 weight-only for CPU)")
+             "(torchao's int4 weight-only for CPU), and torchao.quantization.IntxWeightOnlyConfig, symmetric, "
+             "with weight_dtype=torch.int8 per row (PerAxis(0)) or torch.int4 in PerGroup(32, 64 or 128)")
 
 _INT4_GROUPS = (32, 64, 128)
 
@@ -142,6 +148,8 @@ def _read(name: str, tensor: torch.Tensor, layouts: dict[int, str]) -> TorchaoWe
         return _read_int8(name, tensor)
     if kind == "Int4OpaqueTensor":
         return _read_int4_opaque(name, tensor, layouts)
+    if kind == "IntxUnpackedToInt8Tensor":
+        return _read_intx(name, tensor)
     raise _refuse(name, tensor, f"{type(tensor).__module__}.{kind}, not a weight-only int8 or CPU int4 tensor")
 
 
@@ -168,6 +176,30 @@ def _read_int8(name: str, t: Any) -> TorchaoWeight:
         raise _refuse(name, t, "asymmetric int8 with non-zero zero points; numatp's int8 is symmetric")
     return TorchaoWeight(kind="int8", group=None, q=qdata, scales=scales.to(torch.float32), zeros=None,
                          dtype=t.dtype, source="Int8Tensor")
+
+
+def _read_intx(name: str, t: Any) -> TorchaoWeight:
+    if getattr(t, "activation_quantization", None) is not None:
+        raise _refuse(name, t, f"{t.activation_quantization} activation quantization, e.g. "
+                               f"Int8DynamicActivationIntxWeightConfig")
+    qdata = t.qdata
+    if qdata.ndim != 2 or qdata.dtype != torch.int8:
+        raise _refuse(name, t, f"qdata {qdata.dtype} of shape {tuple(qdata.shape)}; numatp reads 2-D int8")
+    zero = t.zero_point
+    if zero is not None and bool(zero.ne(0).any()):
+        raise _refuse(name, t, "asymmetric, with non-zero zero points; numatp reads symmetric intx")
+    n, k = qdata.shape
+    block, bits = list(t.block_size), t.target_dtype
+    if bits == torch.int8 and block == [1, k]:
+        return TorchaoWeight(kind="int8", group=None, q=qdata, scales=t.scale.reshape(n).to(torch.float32),
+                             zeros=None, dtype=t.dtype, source="IntxUnpackedToInt8Tensor")
+    if bits == getattr(torch, "int4", None) and block[:1] == [1] and block[1] in _INT4_GROUPS and k % block[1] == 0:
+        # qdata holds -8..7: numatp's 0..15 are the same values offset by 8, and w = qdata * scale
+        return TorchaoWeight(kind="int4", group=block[1], q=(qdata + 8).to(torch.uint8),
+                             scales=t.scale.reshape(n, k // block[1]), zeros=None, dtype=t.dtype,
+                             source="IntxUnpackedToInt8Tensor")
+    raise _refuse(name, t, f"{bits} in blocks of {block} of a {n}x{k} weight; numatp reads int8 per row or "
+                           f"int4 in groups of 32, 64 or 128 along K")
 
 
 def _read_int4_opaque(name: str, t: Any, layouts: dict[int, str]) -> TorchaoWeight:
