@@ -42,6 +42,8 @@ def _configs() -> dict:
         "int8": tq.Int8WeightOnlyConfig(set_inductor_config=False),
         "int8-per-tensor": tq.Int8WeightOnlyConfig(granularity=PerTensor(), set_inductor_config=False),
         **{f"int4:g{g}": PrototypeInt4WeightOnlyConfig(group_size=g, set_inductor_config=False) for g in (32, 64, 128)},
+        "int4-hqq:g64": PrototypeInt4WeightOnlyConfig(group_size=64, int4_choose_qparams_algorithm="hqq",
+                                                      set_inductor_config=False),
         "int8-intx": tq.IntxWeightOnlyConfig(),
         "int4-intx:g32": tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)),
     }
@@ -65,8 +67,8 @@ def _reference(weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", ["int8", "int8-per-tensor", "int4:g32", "int4:g64", "int4:g128", "int8-intx",
-                                    "int4-intx:g32"])
+@pytest.mark.parametrize("config", ["int8", "int8-per-tensor", "int4:g32", "int4:g64", "int4:g128", "int4-hqq:g64",
+                                    "int8-intx", "int4-intx:g32"])
 def test_extract_is_exact_and_dequantized_matches_eager(config, dtype):
     from torchao.quantization import quantize_
 

@@ -24,7 +24,8 @@ What is read (torchao 0.18; the classes are matched by name, so a version that m
   (per row; ``(1, 1)`` per tensor, read as ``N`` equal scales), ``zero_point`` int8 zeros, ``block_size``
   ``[1, K]`` (``[N, K]`` per tensor).
 - ``Int4OpaqueTensor`` (``torchao.prototype.quantization.int4.PrototypeInt4WeightOnlyConfig(group_size)``,
-  torchao's int4 weight-only on CPU; ``Int4WeightOnlyConfig`` has no CPU packing in 0.18): ``qdata`` uint8
+  torchao's int4 weight-only on CPU, tinygemm or HQQ parameters alike; ``Int4WeightOnlyConfig`` has no CPU
+  packing in 0.18: its formats need CUDA, XPU or NPU kernels): ``qdata`` uint8
   ``(N, K / 2)`` packed by ``aten._convert_weight_to_int4pack_for_cpu`` (a layout that depends on the CPU
   capability ATen dispatched to: AVX512, AVX2 or the scalar one), ``scale_and_zero`` ``(K / group, N, 2)``
   in the model dtype, ``block_size`` ``[1, group]``.
