@@ -231,3 +231,29 @@ def test_this_cpus_layout_is_read_from_the_packing_op(rows):
     if expected is not None and rows % 64 == 0:   # fewer rows pack alike in several layouts: any of them reads
         assert layout == expected
     assert torch.equal(_unpack_cpu_int4(packed.reshape(-1), rows, 64, layout), q.to(torch.uint8))
+
+
+@pytest.mark.slow   # ~20 s here: numatp.compile's first plan and GEMM measurements
+@pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
+def test_dequantized_model_shards_like_any_other_and_matches_torchao():
+    # what numatp.compile(weights=...) builds on: the plain model plans as usual, every block sharded
+    transformers = pytest.importorskip("transformers")
+    import numatp
+    from torchao.quantization import quantize_
+    from tests.helpers import fresh_dynamo, shared_cpu_topology
+
+    fresh_dynamo()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   max_position_embeddings=64, num_attention_heads=8, num_key_value_heads=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    quantize_(model, _configs()["int4:g32"])
+    ids = torch.randint(0, 256, (1, 12))
+    with torch.inference_mode():
+        eager = model(ids).logits
+    dequantized(model)
+    compiled = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    with torch.inference_mode():
+        assert_close_to_eager(compiled(ids).logits, eager, "int4 llama on 2 sockets")
+    sharded = [b.kind for b in numatp.plans(compiled)[-1].blocks if b.sharded]
+    assert sharded.count("attention") == 2 and sharded.count("mlp") == 2 and "lm_head" in sharded
