@@ -72,9 +72,11 @@ class TorchaoWeight:
     q: torch.Tensor
     """int8 ``(N, K)`` for int8; uint8 ``(N, K)`` holding 0..15, one value an element, for int4."""
     scales: torch.Tensor
-    """float32 ``(N,)`` for int8; ``(N, K // group)`` in the model dtype for int4."""
+    """float32 ``(N,)`` for int8; ``(N, K // group)`` for int4, in the dtype torchao stored them (the model
+    dtype, or IntxWeightOnlyConfig's ``scale_dtype``)."""
     zeros: torch.Tensor | None
-    """int4 only: ``(N, K // group)`` float zero points in the model dtype, added after scaling."""
+    """int4 from ``Int4OpaqueTensor`` only: ``(N, K // group)`` float zero points in the model dtype, added
+    after scaling; ``None`` for symmetric weights."""
     dtype: torch.dtype
     """The float dtype the weight dequantizes to (the model's dtype for it)."""
     source: str
