@@ -50,7 +50,8 @@ def _reference(ag, inputs):
 @pytest.mark.integration
 @pytest.mark.parametrize(("family", "sockets", "weights"), [
     pytest.param("gpt2", 1, "int8", marks=pytest.mark.slow), ("gpt2", 2, "int4:g32"),
-    pytest.param("gpt2", 4, "int8", marks=pytest.mark.slow), pytest.param("llama", 1, "int4:g32", marks=pytest.mark.slow),
+    pytest.param("gpt2", 4, "int8", marks=pytest.mark.slow),
+    pytest.param("llama", 1, "int4:g32", marks=pytest.mark.slow),
     ("llama", 2, "int8"), ("llama", 4, "int8")])
 def test_quantized_programs_equal_the_dequantized_reference(family, sockets, weights, tmp_path):
     ag, real = _traced(family)
