@@ -233,27 +233,33 @@ def test_this_cpus_layout_is_read_from_the_packing_op(rows):
     assert torch.equal(_unpack_cpu_int4(packed.reshape(-1), rows, 64, layout), q.to(torch.uint8))
 
 
-@pytest.mark.slow   # ~20 s here: numatp.compile's first plan and GEMM measurements
 @pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
-def test_dequantized_model_shards_like_any_other_and_matches_torchao():
-    # what numatp.compile(weights=...) builds on: the plain model plans as usual, every block sharded
+@pytest.mark.parametrize("config", ["int4:g32", pytest.param("int8", marks=pytest.mark.slow)])
+def test_numatp_compile_shards_torchao_values_and_matches_torchao(config, tmp_path):
+    # numatp.compile reads torchao's values into its own quantized shards (never re-quantized): the model,
+    # sharded on 2 sockets, equals torchao's eager forward within the kernels' rounding
     transformers = pytest.importorskip("transformers")
     import numatp
+    from numatp.backend import backend_of
     from torchao.quantization import quantize_
-    from tests.helpers import fresh_dynamo, shared_cpu_topology
+    from tests.helpers import fresh_dynamo, private_cache, shared_cpu_topology
 
     fresh_dynamo()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    max_position_embeddings=64, num_attention_heads=8, num_key_value_heads=2)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    quantize_(model, _configs()["int4:g32"])
+    quantize_(model, _configs()[config])
     ids = torch.randint(0, 256, (1, 12))
     with torch.inference_mode():
         eager = model(ids).logits
-    dequantized(model)
-    compiled = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
-    with torch.inference_mode():
-        assert_close_to_eager(compiled(ids).logits, eager, "int4 llama on 2 sockets")
+    with private_cache(str(tmp_path)):
+        compiled = numatp.compile(model, sockets=shared_cpu_topology(2),
+                                  gemm=numatp.GemmOptions(force="q_dequant"))
+        with torch.inference_mode():
+            assert_close_to_eager(compiled(ids).logits, eager, f"{config} llama on 2 sockets")
+    rows = backend_of(compiled).gemm_report()
+    # every linear's shard is torchao's values in numatp's format, the LM head included
+    assert len(rows) == 2 * 15 and {r["storage"] for r in rows} == {config}   # 2 sockets x 15 linears
     sharded = [b.kind for b in numatp.plans(compiled)[-1].blocks if b.sharded]
     assert sharded.count("attention") == 2 and sharded.count("mlp") == 2 and "lm_head" in sharded

@@ -71,6 +71,7 @@ class NumaTPBackend:
         self.calls = 0   # calls of its graphs: a forward that adds none did not run through numatp
         self._group: SocketGroup | None = None
         self._whole: tuple[SocketGroup, WeightStore, StateStore] | None = None
+        self._imported: dict[int, tuple[str, Any]] = {}
 
     @classmethod
     def from_options(cls, options: Options, *, names: dict[int, str] | None = None) -> NumaTPBackend:
@@ -82,6 +83,16 @@ class NumaTPBackend:
                    strict_placement=options.strict_placement, gemm=options.gemm,
                    auto_measure=options.auto_measure, plan=options.plan, check=options.check,
                    weights=options.weights, keep_head=options.keep_head)
+
+    def import_quantized(self, imported: dict[int, tuple[str, Any]]) -> None:
+        """Parameters quantized before numatp saw them (``id -> (name, values)``, :mod:`numatp.quant.torchao`):
+        their shards are cut from those values into quantized buffers, read by the quantized GEMM providers."""
+        if imported and self.gemm is None:
+            name = next(iter(imported.values()))[0]
+            raise ValueError(f"{name} is quantized (torchao), and gemm=False leaves its matmuls to Inductor, which "
+                             "cannot read numatp's quantized shards; drop gemm=False")
+        self.weights.imported = imported
+        self._imported = imported
 
     @property
     def group(self) -> SocketGroup:
@@ -96,6 +107,7 @@ class NumaTPBackend:
         if self._whole is None:
             whole = self.topology.whole()
             self._whole = SocketGroup(whole), WeightStore(whole, place=False), StateStore(whole)
+            self._whole[1].imported = self._imported
         return self._whole
 
     @contextlib.contextmanager

@@ -60,8 +60,11 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     :mod:`numatp.plan.contracts`). ``weights``: quantized weights, "int8" (one scale per output channel)
     or "int4" / "int4:g32" / "int4:g64" / "int4:g128" (groups along the input dimension), each socket
     quantizing its own shard after sharding; the LM head and the embedding tables are int8 unless
-    ``keep_head=True`` keeps them in the model's dtype; None (default) keeps the model's dtype. An
-    unknown keyword is a TypeError that lists the valid ones and the
+    ``keep_head=True`` keeps them in the model's dtype; None (default) keeps the model's dtype. A model
+    quantized by torchao's weight-only configs (``Int8WeightOnlyConfig``, CPU int4
+    ``PrototypeInt4WeightOnlyConfig``, symmetric ``IntxWeightOnlyConfig``) is sharded from torchao's own
+    values, never re-quantized; its torchao tensors are replaced in ``model`` by their dequantized values
+    (:mod:`numatp.quant.torchao`). An unknown keyword is a TypeError that lists the valid ones and the
     closest (``polcy`` -> ``policy``).
 
     The first call with an input shape builds its socket programs (tens of seconds: tracing, GEMM
@@ -86,8 +89,12 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
         plan = hf_tp_plan(model)
     options = Options(sockets=sockets, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
                       auto_measure=auto_measure, plan=plan, check=check, weights=weights, keep_head=keep_head)
+    imported = _dequantize_torchao(model)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     backend = NumaTPBackend.from_options(options, names=names)
+    if imported:
+        params = dict(model.named_parameters(remove_duplicate=False))
+        backend.import_quantized({id(params[n]): (n, v) for n, v in imported.items()})
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an
     # attribute on the result would land on ``model`` itself, and on every later compile of it
     # isolate_recompiles is a keyword of torch.compile's implementation that its overloads do not list
@@ -95,6 +102,21 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     if type(compiled) is OptimizedModule:
         compiled.__class__ = CompiledModel
     return compiled
+
+
+def _dequantize_torchao(model: torch.nn.Module) -> dict[str, Any]:
+    """A model quantized by torchao's weight-only configs: its quantized weights replaced, in the model, by
+    their dequantized values (so that it traces and plans as a plain model), and the values returned by
+    parameter name, from which the weight store cuts each socket's quantized shard
+    (:mod:`numatp.quant.torchao`; a torchao format numatp cannot shard is an error naming it)."""
+    if not any(type(p).__module__.split(".")[0] == "torchao" for p in model.parameters()):
+        return {}
+    from numatp.quant.torchao import dequantized
+
+    imported = dequantized(model)
+    log.info("numatp: %d torchao-quantized weights read as numatp's quantized shards (the model now holds "
+             "their dequantized values)", len(imported))
+    return imported
 
 
 # this compile's own count of Dynamo's compiled entries (see compile's docstring), where torch has it

@@ -36,6 +36,10 @@ class WeightStore:
         self._made: dict[tuple, torch.Tensor] = {}
         self._keep: list[Any] = []   # the source tensors of the keys above stay alive while we use their id
         self._operands = PreparedOperands()
+        self.imported: dict[int, tuple[str, Any]] = {}
+        """``id(parameter) -> (name, values)`` for parameters quantized before numatp saw them (torchao's,
+        :mod:`numatp.quant.torchao`): their shards are cut from those values (never re-quantized) into
+        numatp's quantized buffers, and no plain shard is made."""
 
     def get(self, param: torch.Tensor, b: Binding, rank: int) -> torch.Tensor:
         p = b.placement
@@ -45,6 +49,9 @@ class WeightStore:
         if key not in self._made and twin in self._made and self._shareable(self._made[twin]):
             # a lookup and a tied LM head share one shard: plain, or quantized (numatp::qembedding reads it)
             self._made[key] = self._made[twin]
+        if key not in self._made and id(param) in self.imported and not b.lookup and p is not None:
+            self._keep.append(param)
+            self._made[key] = self._imported_shard(param, p, rank)
         if key not in self._made:
             self._keep.append(param)
             with torch.no_grad():
@@ -55,6 +62,42 @@ class WeightStore:
                     local = numa_clone(local, self.topology.sockets[rank].node, strict=self.strict)
             self._made[key] = local
         return self._made[key]
+
+    def _imported_shard(self, param: torch.Tensor, p: Any, rank: int) -> torch.Tensor:
+        """Socket ``rank``'s shard of an imported quantized parameter, as numatp's quantized buffer (on the
+        socket's node where placed), recorded as a prepared operand: its values cut at the shard's indices,
+        its scales and zeros with their rows, or with their groups where the input dimension is split (a
+        row-parallel shard must cut on group boundaries)."""
+        from numatp.runtime.gemm.quant import QuantFormat, from_values
+
+        name, v = self.imported[id(param)]
+        fmt = QuantFormat(8) if v.kind == "int8" else QuantFormat(4, v.group)
+        n, k = v.q.shape
+        scales = v.scales.reshape(n, -1)
+        q, s, z = v.q, scales, v.zeros
+        if not isinstance(p, Replicate):
+            q = shard_tensor(v.q, p, rank)
+            if p.dim == 0:
+                s = shard_tensor(scales, p, rank)
+                z = None if v.zeros is None else shard_tensor(v.zeros, p, rank)
+            else:
+                g = k // scales.shape[1]
+                bad = [iv for iv in p.splits[rank].intervals if iv[0] % g or iv[1] % g]
+                if fmt.bits == 4 and bad:
+                    raise ValueError(f"{name}: quantized in groups of {g} along its input dimension, and socket "
+                                     f"{rank}'s row-parallel shard cuts it at {bad[0]}, inside a group; compile "
+                                     f"with fewer sockets, or quantize with a smaller group")
+                if fmt.bits == 4:
+                    groups = type(p)(1, tuple(type(p.splits[0])(tuple((lo // g, hi // g) for lo, hi in sp.intervals))
+                                              for sp in p.splits))
+                    s = shard_tensor(scales, groups, rank)
+                    z = None if v.zeros is None else shard_tensor(v.zeros, groups, rank)
+        buf = from_values(q, s, z, fmt)
+        if self.place:
+            buf = numa_clone(buf, self.topology.sockets[rank].node, strict=self.strict)
+        self.record(buf, PackInfo("q_dequant", (int(q.shape[0]), int(q.shape[1])), v.dtype, "nk", 0,
+                                  weights=fmt.name))
+        return buf
 
     def replace(self, rank: int, plain: torch.Tensor, prepared: torch.Tensor) -> None:
         """From now on hand out ``prepared`` (e.g. a GEMM-packed weight made on the socket) where ``rank``

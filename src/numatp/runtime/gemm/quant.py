@@ -4,8 +4,8 @@ A decode step reads every weight once per token, so its time is the weights' byt
 bandwidth; int8 weights read half of bf16's bytes, int4 about a quarter. numatp quantizes each weight
 matmul's shard on its own socket, after sharding (weight-only: activations stay in the model's dtype):
 
-- ``int8``: symmetric, one scale per output channel: ``w[n, k] = q[n, k] * s[n]``, ``q`` in [-127, 127],
-  ``s = max_k |w[n, k]| / 127``.
+- ``int8``: symmetric, one scale per output channel: ``w[n, k] = q[n, k] * s[n]``; numatp's quantizer
+  takes ``s = max_k |w[n, k]| / 127`` and ``q`` in [-127, 127] (values made elsewhere may hold -128).
 - ``int4:gG`` (G = 32, 64 or 128; ``int4`` is ``int4:g64``): groups of G along the input dimension, one
   scale per group and output channel: ``w[n, k] = (q[n, k] - 8) * s[n, k // G] (+ z[n, k // G])``,
   ``q`` in [0, 15]. numatp's own quantizer is symmetric (no ``z``), as llama.cpp's Q4_0: the group's
@@ -171,7 +171,7 @@ def from_values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
     _check_shape(n, k, fmt)
     g = fmt.groups(k)
     scales = scales.reshape(n, g)
-    lo, hi = (-127, 127) if fmt.bits == 8 else (0, 15)
+    lo, hi = (-128, 127) if fmt.bits == 8 else (0, 15)   # numatp's quantizer keeps to -127..127; torchao's not
     if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):
         raise ValueError(f"{fmt} values must lie in [{lo}, {hi}], got [{int(q.min())}, {int(q.max())}]")
     q_off, s_off, z_off, q_bytes, total = _layout(n, k, fmt, zeros is not None)
