@@ -100,6 +100,44 @@ def test_dense_gemm_operand_is_copied_onto_its_socket_node(topology):
         assert set(pages_by_node(op)) == {nodes[rank]}, f"socket {rank}: pages {pages_by_node(op)}"
 
 
+def test_quantized_shards_are_on_their_sockets_nodes_and_match_their_reference(topology):
+    # int8 weights (and int8 tables): each socket quantizes its own shard; the buffers are placed on the
+    # socket's node page by page, and the model equals the eager graph on the dequantized shards
+    from numatp.backend.variants import CompiledGraph
+    from numatp.plan.reference import dequantized_inputs
+
+    calls = []
+    original = CompiledGraph.__call__
+
+    def record(self, *args):
+        calls.append((self, args))
+        return original(self, *args)
+
+    model = zoo.build("gpt2", tiny=True)
+    inputs = zoo.example_inputs(model, batch=1, seq=8)
+    compiled = numatp.compile(model, sockets=topology, mode="eager", strict_placement=True, weights="int8",
+                              gemm=numatp.GemmOptions(force="q_dequant"))
+    CompiledGraph.__call__ = record
+    try:
+        with torch.inference_mode():
+            actual = compiled(**inputs).logits
+    finally:
+        CompiledGraph.__call__ = original
+    backend = backend_of(compiled)
+    assert {r["storage"] for r in backend.gemm_report()} == {"int8"}
+    report = numatp.placement_report(compiled)
+    for rank in report["ranks"]:
+        assert set(rank["pages"]) == {rank["node"]}, f"socket {rank['socket']}: pages {rank['pages']}"
+    graph, args = calls[0]
+    (variant,) = graph.variants.values()
+    local = [type("P", (), {"bindings": variant.bindings[r], "rank": r})() for r in range(len(variant.bindings))]
+    ref_args = dequantized_inputs(local, variant.weights, list(args), backend.weights.prepared)
+    with torch.inference_mode():
+        expected = graph.gm(*ref_args)
+    expected = expected[0] if isinstance(expected, (tuple, list)) else expected
+    torch.testing.assert_close(actual.reshape(expected.shape), expected, atol=2e-5, rtol=1e-4)
+
+
 def test_all_reduce_result_is_on_each_sockets_node(topology):
     # the C++ collective writes each socket's total into a tensor its worker allocates under the
     # socket's memory binding: every socket reads the reduced activations from its own node
