@@ -263,3 +263,15 @@ def test_numatp_compile_shards_torchao_values_and_matches_torchao(config, tmp_pa
     assert len(rows) == 2 * 15 and {r["storage"] for r in rows} == {config}   # 2 sockets x 15 linears
     sharded = [b.kind for b in numatp.plans(compiled)[-1].blocks if b.sharded]
     assert sharded.count("attention") == 2 and sharded.count("mlp") == 2 and "lm_head" in sharded
+
+
+def test_the_registered_backend_refuses_torchao_weights_and_names_numatp_compile():
+    tq = pytest.importorskip("torchao.quantization")
+    from tests.helpers import fresh_dynamo
+
+    fresh_dynamo()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    tq.quantize_(model, tq.Int8WeightOnlyConfig(set_inductor_config=False))
+    compiled = torch.compile(model, backend="numatp")
+    with pytest.raises(Exception, match=r"numatp.compile\(model\)"):
+        compiled(torch.randn(2, 64))

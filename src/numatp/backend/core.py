@@ -128,6 +128,10 @@ class NumaTPBackend:
             self._whole[2].reload()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        if any(type(a).__module__.split(".")[0] == "torchao" for a in example_inputs):
+            raise ValueError("this model holds torchao-quantized weights, which numatp reads into its own quantized "
+                             "shards when it sees the model: compile it with numatp.compile(model) instead of "
+                             "torch.compile(model, backend='numatp')")
         graph = CompiledGraph(self, gm)
         self.graphs.append(graph)
         return graph
