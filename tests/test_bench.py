@@ -321,6 +321,21 @@ def test_decode_sweep_records_first_token_and_tokens_per_second(tmp_path: Path, 
     assert d["tokens_per_s"] == pytest.approx(statistics.median(2 / x["decode_s"] for x in d["runs"]))
 
 
+@pytest.mark.slow
+def test_decode_sweep_with_quantized_weights_records_the_format_and_bytes(tmp_path: Path) -> None:
+    assert main(["bench", "--tiny", "--model", "gpt2", "--batch", "1", "--seq", "8", "--warmup", "0", "--iters", "1",
+                 "--modes", "numatp", "--decode", "2", "--weights", "int8", "--no-progress", "--no-report",
+                 "--out", str(tmp_path)]) == 0
+    (r,) = read_results(tmp_path / RESULTS)
+    assert r["status"] == "ok", r.get("reason")
+    assert Config.from_dict(r).weights == "int8" and "weights=int8" in r["key"]
+    stored = r["weight_storage"]
+    assert (stored["format"], stored["head"]) == ("int8", "int8")
+    assert stored["socket_bytes"] == [x["bytes"] for x in r["placement"]["ranks"]]
+    assert len(stored["socket_bytes"]) == 2 and 0 < stored["socket_bytes"][0] < stored["model_bytes"] / 4
+    assert r["generation"]["tokens_per_s"] > 0
+
+
 def test_decode_sweep_refuses_encoders_and_negative_counts(capsys: pytest.CaptureFixture[str]) -> None:
     _refused(capsys, ["bench", "--tiny", "--model", "gpt2", "bert-small", "--decode", "4", "--no-progress"],
              "bert-small.*encoder")
@@ -369,3 +384,122 @@ def test_summary_cites_the_paper_where_it_names_its_tables(tmp_path: Path) -> No
     assert "NUMA-Torch: Compiler-Driven NUMA-Aware LLM Prefill on Multi-Socket CPUs" in CITATION
     assert CITATION in summary and "https://arxiv.org/abs/2611.07105" in summary
     assert summary.index(CITATION) < summary.index("Table IV") and "Fig. 7-9" in summary
+
+
+# -- quantized weights: one configuration per format, recorded and reported ------------------------------
+
+
+def test_weights_are_part_of_a_configurations_identity() -> None:
+    plain = Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="numatp", sockets=2)
+    int8 = Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="numatp", sockets=2, weights="int8")
+    int4 = Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="numatp", sockets=2, weights="int4")
+    kept = Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="numatp", sockets=2, weights="int8",
+                  keep_head=True)
+    assert "weights" not in plain.key and "keep_head" not in plain.key   # a plain line keeps its old key
+    assert "weights=int8" in int8.key and "weights=int4:g64" in int4.key and "keep_head=True" in kept.key
+    assert len({plain.key, int8.key, int4.key, kept.key}) == 4
+    assert int4.weights == "int4:g64" and int4.key == Config.from_dict(int4.to_dict()).key
+    with pytest.raises(ValueError, match=r"weights='int8' with mode 'baseline': numatp quantizes the weights of its "
+                                         r"own modes"):
+        Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="baseline", sockets=2, weights="int8")
+    with pytest.raises(ValueError, match=r"weights 'int3' is not one of int8, int4, int4:g32"):
+        Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="numatp", sockets=2, weights="int3")
+    with pytest.raises(ValueError, match="keep_head=True without weights"):
+        Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="numatp", sockets=2, keep_head=True)
+    # the numatp modes once per format, the others once, on the model as it is
+    configs = expand(models=["gpt2"], batches=[1], seqs=[16], dtypes=["float32"], modes=["baseline", "numatp"],
+                     sockets=2, weights=[None, "int8", "int4", "int4:g64"], keep_head=True)
+    assert [(c.mode, c.weights, c.keep_head) for c in configs] == [
+        ("baseline", None, False), ("numatp", None, False), ("numatp", "int8", True), ("numatp", "int4:g64", True)]
+
+
+def test_a_sweep_skips_only_the_formats_already_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          machine: Topology) -> None:
+    import numatp.bench.sweep as sweep_module
+
+    ran: list[str] = []
+
+    def measured(config: Config, *args: object) -> dict:
+        ran.append(config.key)
+        return {"status": "ok"}
+
+    monkeypatch.setattr(sweep_module, "_measure", measured)
+    configs = expand(models=["gpt2"], batches=[1], seqs=[16], dtypes=["float32"], modes=["baseline", "numatp"],
+                     sockets=2, tiny=True, decode=4)
+    kw = dict(machine=machine, ranks=resolve_ranks(2, machine), mechanism="syscall", memory_guard=False,
+              progress=False)
+    assert run_sweep(configs, tmp_path, **kw).ok == 2
+    quantized = expand(models=["gpt2"], batches=[1], seqs=[16], dtypes=["float32"], modes=["baseline", "numatp"],
+                       sockets=2, tiny=True, decode=4, weights=[None, "int8", "int4"])
+    ran.clear()
+    counts = run_sweep(quantized, tmp_path, **kw)
+    assert (counts.ok, counts.resumed) == (2, 2)   # the plain ones are done; each format is new
+    assert [Config.from_dict(r).weights for r in read_results(tmp_path / RESULTS)] == [None, None, "int8", "int4:g64"]
+    assert ran == [c.key for c in quantized if c.weights is not None]
+    assert run_sweep(quantized, tmp_path, **kw).resumed == 4 and ran == [c.key for c in quantized if c.weights]
+
+
+def test_bench_passes_weights_to_the_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import numatp.bench
+    from numatp.bench.sweep import SweepCounts
+
+    seen: list[Config] = []
+
+    def sweep(configs: list[Config], out: Path, **kw: object) -> SweepCounts:
+        seen.extend(configs)
+        return SweepCounts(ok=len(configs))
+
+    monkeypatch.setattr(numatp.bench, "run_sweep", sweep)
+    assert main(["bench", *SWEEP_ARGS, "--modes", "baseline", "numatp", "--decode", "2", "--weights", "none", "int8",
+                 "int4:g32", "--keep-head", "--no-report", "--out", str(tmp_path)]) == 0
+    assert [(c.mode, c.weights, c.keep_head, c.decode) for c in seen] == [
+        ("baseline", None, False, 2), ("numatp", None, False, 2), ("numatp", "int8", True, 2),
+        ("numatp", "int4:g32", True, 2)]
+
+
+def _decode_lines(formats: list[tuple[str, str | None, float, list[int] | None]]) -> list[dict]:
+    """Results lines of one point (tiny numbers), a generation each: (mode, weights, tokens/s, socket bytes)."""
+    lines = []
+    for mode, weights, rate, held in formats:
+        r = json.loads(FIXTURE.read_text().splitlines()[0])
+        r.update(mode=mode, model="gpt2", dtype="bfloat16", batch=1, seq=128, status="ok", decode=64, weights=weights,
+                 keep_head=False, generation={"new_tokens": 64, "first_token_s": 0.1, "tokens_per_s": rate, "runs": []},
+                 weight_storage={"format": weights or "bfloat16", "socket_bytes": held})
+        r["timing"] = dict(r["timing"], mean_s=1.0 / rate)
+        lines.append(r)
+    return lines
+
+
+def test_report_sets_decode_beside_the_weights_format(tmp_path: Path) -> None:
+    from numatp.bench.report import decode_by_weights
+
+    mib = 1 << 20
+    lines = _decode_lines([("baseline", None, 20.0, None), ("numatp", None, 25.0, [400 * mib, 400 * mib]),
+                           ("numatp", "int8", 45.0, [205 * mib, 205 * mib]),
+                           ("numatp", "int4:g64", 70.0, [110 * mib, 110 * mib])])
+    (tmp_path / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    table = decode_by_weights(read_results(tmp_path))
+    assert list(table) == ["torch.compile", "plain", "int8", "int4:g64"]
+    assert [d["tokens_per_s"] for by_point in table.values() for d in by_point.values()] == [20.0, 25.0, 45.0, 70.0]
+    written = write_report(tmp_path)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## Decode tokens/s by weights format" in summary
+    assert "| Model | dtype | Batch | Prompt | torch.compile | plain | int8 | int4:g64 |" in summary
+    assert "| gpt2 | bfloat16 | 1 | 128 | 20.0 | 25.0 (400.0 MiB) | 45.0 (205.0 MiB) | 70.0 (110.0 MiB) |" in summary
+    # each format is a mode of its own in the other tables, against the same baseline
+    assert ("| gpt2 | bfloat16 | 1 | 128 | 64 | 20.0 (100) | 25.0 (100, 1.25x) | 45.0 (100, 2.25x) "
+            "| 70.0 (100, 3.50x) |") in summary
+    assert re.search(r"\| numatp int4:g64 \| 3\.50x \| 3\.50x \| 0/1 \| 1 \|", summary)
+    if importlib.util.find_spec("matplotlib") is not None:
+        from matplotlib import image
+
+        assert tmp_path / "decode-weights.png" in written and "](decode-weights.png)" in summary
+        pixels = image.imread(tmp_path / "decode-weights.png")
+        assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+    # without a quantized line: no such table, no such figure, and no error
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / RESULTS).write_text("".join(json.dumps(r) + "\n" for r in lines[:2]))
+    written = write_report(plain)
+    assert decode_by_weights(read_results(plain)) == {}
+    assert plain / "decode-weights.png" not in written and "by weights format" not in (plain / "summary.md").read_text()

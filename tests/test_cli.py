@@ -103,6 +103,50 @@ def test_explain_runs_the_pipeline_compile_runs(cli):
     assert steps[0].count("all_gather") == 1 and "Segment" in steps[0]
 
 
+def test_explain_weights_shows_each_weights_storage_and_the_bytes_per_socket(cli):
+    from numatp.runtime.gemm.quant import nbytes
+
+    code, out, err = cli("explain", "gpt2", "--tiny", "--sockets", "2", "--seq", "16", "--weights", "int8", "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    (g,) = info["graphs"]
+    assert (info["weights"], info["keep_head"]) == ("int8", False)
+    rows = g["gemm"]["rows"]
+    # tiny GPT-2 on 2 sockets: 4 matmuls a layer, the LM head, and the two tables looked up, on each socket;
+    # all int8 (the head and the tables too, without --keep-head), each at its int8 size
+    assert len(rows) == 2 * (4 * 2 + 1 + 2) and {r["rank"] for r in rows} == {0, 1}
+    assert {r["storage"] for r in rows} == {"int8"}
+    assert sorted(r["provider"] == "qembedding" for r in rows).count(True) == 4
+    assert all(r["bytes"] == nbytes(r["n"], r["k"], "int8") for r in rows)
+    # per socket: about a quarter of float32's (norms and biases stay float32)
+    held = g["stored_bytes"]
+    assert len(held) == 2 and held[0] == held[1] and 0.2 < held[0] / g["socket_bytes"][0] < 0.35
+    # the table: a storage column, each shard's bytes, and the per-socket total line
+    code, text, err = cli("explain", "gpt2", "--tiny", "--sockets", "2", "--seq", "16", "--weights", "int4:g32",
+                          "--keep-head")
+    assert code == 0, err
+    assert "weights int4:g32, LM head and embeddings float32" in text.splitlines()[0]
+    assert re.search(r"^16 x 64 x 96 +float32 +1 0,1 +2  int4:g32 +3\.88 KiB  q_dequant", text, re.MULTILINE), text
+    # the LM head kept in float32 (a plain provider, whichever measured fastest)
+    assert re.search(r"^16 x 64 x 256 +float32 +1 0,1 +1  float32 +64\.0 KiB  \w+", text, re.MULTILINE), text
+    assert re.search(r"^weights as stored \(int4:g32, LM head and embeddings float32\) per socket: "
+                     r"socket 0: [\d.]+ [KM]iB, socket 1: [\d.]+ [KM]iB \(\d+% of their float32 bytes\)$", text,
+                     re.MULTILINE), text
+
+
+@pytest.mark.slow   # a compile (~10 s) beside the explain
+def test_explain_weights_bytes_per_socket_are_what_compile_holds(cli):
+    code, out, err = cli("explain", "gpt2", "--tiny", "--sockets", "2", "--seq", "16", "--weights", "int8", "--json")
+    assert code == 0, err
+    (g,) = json.loads(out)["graphs"]
+    model = zoo.build("gpt2", tiny=True)
+    fresh_dynamo()
+    with torch.inference_mode():
+        compiled = numatp.compile(model, sockets=2, mode="eager", weights="int8")
+        compiled(**zoo.example_inputs(model, batch=1, seq=16))
+    assert [r["bytes"] for r in numatp.placement_report(compiled)["ranks"]] == g["stored_bytes"]
+
+
 def test_explain_auto_says_whether_compile_will_measure_and_compile_does(cli):
     # no calibrated profile: the built-in estimate. Whatever explain says compile will do (measure both
     # plans, or trust the model), compile does: its plan's reasons say so
@@ -170,6 +214,22 @@ def test_demo_runs_baseline_and_numatp_side_by_side():
     rows = [line for line in r.stdout.splitlines() if line.startswith(("baseline", "numatp unsharded", "numatp sharded"))]
     assert len(rows) == 3, r.stdout
     assert re.search(r"socket 1 weights -> node 0: \d+ pages \(\d+ KiB\)", r.stdout)
+    assert re.search(r"^weights \(float32, not quantized\) per socket: socket 0: \d+\.\d KiB, socket 1: \d+\.\d KiB; "
+                     r"the model in float32: \d+\.\d KiB$", r.stdout, re.MULTILINE), r.stdout
+
+
+@pytest.mark.slow   # a fresh interpreter compiling three modes (~35 s)
+def test_demo_weights_shows_the_quantization_error_and_the_bytes_per_socket():
+    r = _numatp("demo", "--tiny", "--warmup", "0", "--iters", "1", "--seq", "32", "--weights", "int8")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "float32; numatp's weights int8" in r.stdout
+    assert re.search(r"from GEMM providers and int8 weights \(numatp unsharded / baseline\): \d+\.\d\dx", r.stdout)
+    errors = re.search(r"int8 weights: logits' relative error against eager \(float32 weights\): numatp unsharded "
+                       r"(\d+\.\d\d)%, numatp (\d+\.\d\d)%", r.stdout)
+    assert errors and all(0 < float(e) < 5 for e in errors.groups()), r.stdout
+    held = re.search(r"weights \(int8, LM head and embeddings int8\) per socket: socket 0: (\d+\.\d) KiB, socket 1: "
+                     r"(\d+\.\d) KiB; the model in float32: (\d+\.\d) KiB", r.stdout)
+    assert held and float(held[1]) < 0.2 * float(held[3]), r.stdout
 
 
 @pytest.mark.slow   # a subprocess that compiles a prompt and a decode step (~30 s); demo covers the CLI
@@ -196,6 +256,18 @@ def test_generate_first_token_chooses_gemm_providers_for_the_prompt_alone(cli, m
     assert code == 0, err
     assert [g.first_token for g in seen] == [True]
     assert any(line.startswith("numatp 1 sockets") for line in out.splitlines())
+
+
+@pytest.mark.slow   # compiles a prompt and a decode step with quantized weights (~20 s)
+def test_generate_weights_prints_the_format_and_bytes_per_socket(cli):
+    fresh_dynamo()
+    code, out, err = cli("generate", "gpt2", "--tiny", "--prompt-len", "8", "--new-tokens", "3", "--sockets", "2",
+                         "--weights", "int4:g32")
+    assert code == 0, err
+    assert re.search(r"^numatp 2 sockets int4:g32 +\d+\.\d +\d+\.\d\d", out, re.MULTILINE), out
+    held = re.search(r"^weights \(int4:g32, LM head and embeddings int8\) per socket: socket 0: (\d+\.\d) KiB, "
+                     r"socket 1: (\d+\.\d) KiB; the model in float32: (\d+\.\d) KiB$", out, re.MULTILINE)
+    assert held and float(held[1]) == float(held[2]) and float(held[1]) < float(held[3]) / 2, out
 
 
 def test_generate_refuses_text_without_a_tokenizer(cli):

@@ -109,6 +109,59 @@ def test_bad_name_or_value_is_one_line_before_anything_is_built(args, expected):
     assert expected in _refused(*args)
 
 
+_FORMATS = "int8, int4, int4:g32, int4:g64, int4:g128"
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("explain", "gpt2", "--weights", "int3"), f"--weights int3: not a format numatp stores weights in; pass one of "
+                                                f"{_FORMATS}"),
+    (("generate", "gpt2", "--weights", "int4:g48"), f"--weights int4:g48: not a format numatp stores weights in; "
+                                                     f"pass one of {_FORMATS}"),
+    (("demo", "--weights", "fp8"), f"--weights fp8: not a format numatp stores weights in; pass one of {_FORMATS}"),
+    (("bench", "--weights", "none", "q4_0", "--out", "/nonexistent"), f"--weights q4_0: not a format numatp stores "
+                                                                       f"weights in; pass one of none, {_FORMATS}"),
+    (("explain", "gpt2", "--keep-head"), "--keep-head keeps the LM head in the model's dtype when --weights"),
+    (("bench", "--weights", "none", "--keep-head", "--out", "/nonexistent"), "--keep-head keeps the LM head"),
+    (("bench", "--modes", "baseline", "--weights", "int8", "--out", "/nonexistent"),
+     "--weights quantizes the weights of the numatp modes (numatp, numatp-auto), and --modes baseline has none"),
+])
+def test_a_bad_weights_format_is_one_line_naming_it_and_the_formats(args, expected):
+    assert expected in _refused(*args)
+
+
+def test_every_compiling_command_takes_weights_and_keep_head():
+    from numatp.cli import build_parser
+
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    for command in ("demo", "generate", "bench", "explain"):
+        text = " ".join(subparsers.choices[command].format_help().split())
+        assert "--weights {" in text and "int8,int4,int4:g32,int4:g64,int4:g128}" in text, command
+        assert "--keep-head with --weights: keep the LM head and the embedding tables in the model's dtype" in text
+    assert "--weights {none,int8," in " ".join(subparsers.choices["bench"].format_help().split())
+
+
+def test_weights_are_taken_in_their_canonical_names():
+    from numatp.cli import build_parser
+    from numatp.cli._weights import check_weight_args
+
+    args = build_parser().parse_args(["generate", "gpt2", "--weights", "int4", "--keep-head"])
+    check_weight_args("generate", args)
+    assert args.weights == "int4:g64" and args.keep_head
+    args = build_parser().parse_args(["bench", "--weights", "none", "INT8", "int4", "int4:g64"])
+    check_weight_args("bench", args)
+    assert args.weights == [None, "int8", "int4:g64"]   # one configuration per format, however spelled
+    args = build_parser().parse_args(["explain", "gpt2"])
+    check_weight_args("explain", args)
+    assert args.weights is None and not args.keep_head
+
+
+def test_the_commands_formats_are_the_librarys():
+    from numatp.bench.spec import WEIGHTS, canonical_weights
+    from numatp.runtime.gemm.quant import QuantFormat
+
+    assert [canonical_weights(w) for w in WEIGHTS] == [QuantFormat.parse(w).name for w in WEIGHTS]
+
+
 def test_a_missing_folder_is_never_called_a_preset(tmp_path):
     err = _refused("generate", "./models/my-llama", "--prompt", "hello", cwd=tmp_path)
     assert "no such folder" in err and "preset (random weights" not in err

@@ -3,11 +3,13 @@ process policy in place.
 
 The sweep writes JOB (a JSON object: the config, the process policy, how to apply it, the ranks
 topology) and reads RESULT back. Here: build the model, compile, time the first (compiling) call
-apart, warm up, and time ``iters`` calls under ``torch.inference_mode()``. With ``decode`` N, then
+apart, warm up, and time ``iters`` calls under ``torch.inference_mode()`` (the numatp modes with the
+config's quantized ``weights``, if any). With ``decode`` N, then
 generate N tokens after the prompt (:func:`numatp.generate.generate_timed`, static cache; the
 baseline modes through ``torch.compile`` with the same loop): one untimed generation compiles, then
-the median of three gives the time to first token and the decode tokens/s. A crash or a hang is the
-sweep's to record.
+the median of three gives the time to first token and the decode tokens/s. ``weight_storage`` records how
+the weights were stored and their bytes (per socket, for the numatp modes: ``placement_report``'s, quantized
+shards at their quantized size). A crash or a hang is the sweep's to record.
 """
 
 from __future__ import annotations
@@ -57,6 +59,18 @@ def _weight_pages(model: Any) -> dict[str, int]:
     return total
 
 
+def _weight_storage(config: Config, model: Any, placement: dict[str, Any] | None) -> dict[str, Any]:
+    """How the measured weights were stored: ``format`` (the quantized format, or the model's dtype),
+    ``head`` (the LM head's and the embedding tables' storage), ``model_bytes`` (the eager model's
+    parameters, each once) and, for the numatp modes, ``socket_bytes``: the bytes of weights each socket
+    holds as the compiled model stores them."""
+    quantized = config.weights is not None
+    return {"format": config.weights or config.dtype,
+            "head": config.dtype if config.keep_head or not quantized else "int8",
+            "model_bytes": sum(p.nbytes for p in model.parameters()),   # tied ones once
+            "socket_bytes": [r["bytes"] for r in placement["ranks"]] if placement is not None else None}
+
+
 def _ranks(ranks: dict[str, Any]) -> Topology:
     """The parent's ranks topology (``Topology.to_dict`` form) rebuilt here: the same virtual
     split of the same CPUs, or the same number of the machine's sockets."""
@@ -82,7 +96,8 @@ def _measure(config: Config, ranks_dict: dict[str, Any]) -> dict[str, Any]:
         compiled: Any
         if config.mode in NUMATP_MODES:
             compiled = numatp.compile(model, sockets=_ranks(ranks_dict),
-                                      policy="always" if config.mode == "numatp" else "auto")
+                                      policy="always" if config.mode == "numatp" else "auto",
+                                      weights=config.weights, keep_head=config.keep_head)
         else:
             compiled = torch.compile(model)
         compiled(**inputs)  # the first call compiles: timed apart from the steady state
@@ -95,6 +110,7 @@ def _measure(config: Config, ranks_dict: dict[str, Any]) -> dict[str, Any]:
             compiled(**inputs)
             times.append(time.perf_counter() - started)
         generation = _decode(compiled, inputs, config.decode) if config.decode else None
+    placement = numatp.placement_report(compiled) if config.mode in NUMATP_MODES else None
 
     return {
         "versions": {
@@ -106,7 +122,8 @@ def _measure(config: Config, ranks_dict: dict[str, Any]) -> dict[str, Any]:
         "timing": {"build_s": build_s, "compile_s": compile_s, **summarize(times), "times_s": times},
         "generation": generation,
         "torch_threads": torch.get_num_threads(),
-        "placement": numatp.placement_report(compiled) if config.mode in NUMATP_MODES else None,
+        "placement": placement,
+        "weight_storage": _weight_storage(config, model, placement),
         "weight_pages": _weight_pages(model),
         # ru_maxrss is in KiB on Linux; compile workers are other processes and not counted here.
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

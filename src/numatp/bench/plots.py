@@ -1,5 +1,6 @@
 """The report's PNG figures, after the paper: mean-time heatmaps over batch x sequence (Fig. 7),
-speedup bars per configuration (Fig. 8), and speedup against sequence length (Fig. 9).
+speedup bars per configuration (Fig. 8), and speedup against sequence length (Fig. 9); beside them,
+decode tokens/s per mode and, where quantized weights were measured, per weights format.
 
 Importing this module imports matplotlib (the ``plot`` extra); ``numatp.bench.report`` imports it
 only when drawing. Figures are built as ``matplotlib.figure.Figure`` objects, not through pyplot,
@@ -20,7 +21,7 @@ from matplotlib.patches import Patch
 
 from numatp.bench.spec import Point
 
-__all__ = ["heatmaps", "scaling_plot", "speedup_bars"]
+__all__ = ["decode_bars", "decode_weights_bars", "heatmaps", "scaling_plot", "speedup_bars"]
 
 _DPI = 120
 _HEATMAP_COLUMNS = 3  # panels per row: six modes make two rows, not one strip
@@ -96,6 +97,16 @@ def decode_bars(rates: Mapping[str, Mapping[Point, Mapping[str, float]]], out: P
     values = {m: {p: r["tokens_per_s"] for p, r in by_point.items()} for m, by_point in rates.items()}
     return _bar_panels(values, "decode tokens/s", ": decode", lambda p: f"b{p.batch}\nprompt {p.seq}",
                        out / "decode.png", parity=False)
+
+
+def decode_weights_bars(rates: Mapping[str, Mapping[Point, Mapping[str, float]]], out: Path) -> list[Path]:
+    """One PNG (``decode-weights.png``) with a panel per (model, dtype): decode tokens/s per (batch, prompt),
+    one bar per weights format (:func:`numatp.bench.report.decode_by_weights`: plain, int8, int4, and
+    torch.compile for reference); nothing where no quantized weights were measured."""
+    values = {s: {p: r["tokens_per_s"] for p, r in by_point.items()} for s, by_point in rates.items()}
+    return _bar_panels(values, "decode tokens/s", ": decode by weights format (plain: in this dtype)",
+                       lambda p: f"b{p.batch}\nprompt {p.seq}",
+                       out / "decode-weights.png", parity=False)
 
 
 def _bar_panels(values: Mapping[str, Mapping[Point, float]], ylabel: str, title: str, tick, path: Path, *,

@@ -5,7 +5,10 @@ short form ``numatp bench`` prints when it ends. Tables and figures are numbered
 :data:`numatp.cost.paper.CITATION`, which every report cites.
 
 A configuration is a point (model, dtype, batch, seq); when a point was measured more than once in
-a mode, its latest ``"ok"`` line counts.
+a mode, its latest ``"ok"`` line counts. A numatp mode measured with quantized weights is a mode of its
+own, labelled with the format (``numatp int8``, ``numatp int4:g64 keep-head``), so its speedups are taken
+against the same baseline; :func:`decode_by_weights` sets the formats side by side (the decode-vs-weights
+figure and table).
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from numatp.bench.spec import MODES, Point
+from numatp.bench.spec import MODES, NUMATP_MODES, WEIGHTS, Point
 from numatp.bench.sweep import read_results
 from numatp.cost.paper import CITATION
 
-__all__ = ["Point", "PolicyRow", "console_table", "decode_rates", "mean_times", "policy_table", "scaling", "speedups",
-           "write_report"]
+__all__ = ["Point", "PolicyRow", "console_table", "decode_by_weights", "decode_rates", "mean_times", "policy_table",
+           "scaling", "speedups", "write_report"]
 
 SUMMARY = "summary.md"
 _PLOT_HINT = "pip install 'numatp[plot]'"
@@ -44,16 +47,32 @@ def _label(record: Mapping[str, Any]) -> str:
     return f"{name} (tiny)" if record.get("tiny") else name
 
 
+def _mode(record: Mapping[str, Any]) -> str:
+    """The mode as the report labels it: with its quantized weights, if any (``numatp int8``)."""
+    weights = record.get("weights")
+    return " ".join([record["mode"], *([weights] if weights else []),
+                     *(["keep-head"] if weights and record.get("keep_head") else [])])
+
+
 def _ok(records: Iterable[Mapping[str, Any]]) -> dict[tuple[str, Point], Mapping[str, Any]]:
     latest: dict[tuple[str, Point], Mapping[str, Any]] = {}
     for r in records:
         if r.get("status") == "ok":
-            latest[(r["mode"], Point(_label(r), r["dtype"], r["batch"], r["seq"]))] = r
+            latest[(_mode(r), Point(_label(r), r["dtype"], r["batch"], r["seq"]))] = r
     return latest
 
 
 def _mode_order(modes: Iterable[str]) -> list[str]:
-    return sorted(set(modes), key=lambda m: (MODES.index(m) if m in MODES else len(MODES), m))
+    """Modes in ``MODES`` order, a mode's quantized variants after it (int8, then int4 by group)."""
+    def key(label: str) -> tuple:
+        mode, _, rest = label.partition(" ")
+        return (MODES.index(mode) if mode in MODES else len(MODES), mode, rest != "", _weights_order(rest), rest)
+    return sorted(set(modes), key=key)
+
+
+def _weights_order(label: str) -> int:
+    fmt = label.split(" ")[0]
+    return WEIGHTS.index(fmt) if fmt in WEIGHTS else len(WEIGHTS)
 
 
 def mean_times(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, float]]:
@@ -83,6 +102,36 @@ def decode_rates(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, 
         if r.get("generation"):
             table.setdefault(mode, {})[point] = r["generation"]
     return {m: dict(sorted(table[m].items())) for m in _mode_order(table)}
+
+
+def decode_by_weights(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[Point, Mapping[str, Any]]]:
+    """Decode speed by how the weights are stored, where a ``--decode`` sweep measured quantized weights
+    (else empty: nothing to set side by side). Per series then point (a panel per model and dtype: the
+    dtype is the activations', and the plain weights'): ``"plain"`` (numatp, the model's dtype), each
+    format (``"int8"``, ``"int4:g64"``; ``keep-head`` where the LM head stayed plain), numatp-auto's as
+    ``"... (numatp-auto)"``, and ``"torch.compile"`` (the baseline) for reference; each the generation's
+    ``tokens_per_s``, ``first_token_s``, ``new_tokens``, and ``socket_bytes`` (the weight bytes each
+    socket held; None for the baseline and for lines from before they were recorded)."""
+    ok = _ok(records)
+    if not any(r.get("generation") and r.get("weights") for r in ok.values()):
+        return {}
+    table: dict[str, dict[Point, Mapping[str, Any]]] = {}
+    for (label, point), r in ok.items():
+        if not r.get("generation") or r["mode"] not in ("baseline", *NUMATP_MODES):
+            continue
+        if r["mode"] == "baseline":
+            series = "torch.compile"
+        else:
+            series = label.partition(" ")[2] or "plain"
+            if r["mode"] != "numatp":
+                series += f" ({r['mode']})"
+        stored = r.get("weight_storage") or {}
+        table.setdefault(series, {})[point] = {**r["generation"], "socket_bytes": stored.get("socket_bytes")}
+    def key(series: str) -> tuple:
+        auto = series.endswith(")")
+        name = series.split(" ")[0]
+        return (series != "torch.compile", auto, name != "plain", _weights_order(series), series)
+    return {s: dict(sorted(table[s].items())) for s in sorted(table, key=key)}
 
 
 def policy_table(records: Iterable[Mapping[str, Any]]) -> list[PolicyRow]:
@@ -178,15 +227,42 @@ def _markdown(records: Sequence[Mapping[str, Any]], images: list[Path], plot_not
                 ratio = f", {d['tokens_per_s'] / base[p]['tokens_per_s']:.2f}x" if m != "baseline" and p in base else ""
                 cells.append(f"{d['tokens_per_s']:.1f} ({1e3 * d['first_token_s']:.0f}{ratio})")
             lines.append(f"| {p.model} | {p.dtype} | {p.batch} | {p.seq} | {new} | " + " | ".join(cells) + " |")
+    lines += _weights_lines(records)
     lines += ["", "## Figures (after the paper's Fig. 7-9)", ""]
     lines += [f"![{image.stem}]({image.name})" for image in images] or [plot_note or "No figures."]
     problems = [r for r in records if r.get("status") in ("skipped", "error")]
     if problems:
         lines += ["", "## Skipped and failed", ""]
-        lines += [f"- {r['status']}: {_label(r)} {r['dtype']} b{r['batch']} s{r['seq']} {r['mode']}: "
+        lines += [f"- {r['status']}: {_label(r)} {r['dtype']} b{r['batch']} s{r['seq']} {_mode(r)}: "
                   f"{r.get('reason', '')}"
                   for r in problems]
     return "\n".join(lines) + "\n"
+
+
+def _weights_lines(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The decode-vs-weights table of summary.md (none without quantized decode lines)."""
+    table = decode_by_weights(records)
+    if not table:
+        return []
+    series = list(table)
+    points = sorted({p for by_point in table.values() for p in by_point})
+    lines = ["", "## Decode tokens/s by weights format", "",
+             "numatp's decode speed with its weights in the model's dtype (plain) and quantized, each socket "
+             "quantizing its own shard (the LM head and embeddings int8 unless keep-head), with torch.compile's "
+             "for reference; in brackets the weight bytes the largest socket holds. Figure: decode-weights.png.", "",
+             "| Model | dtype | Batch | Prompt | " + " | ".join(series) + " |",
+             "|---|---|---|---|" + "---|" * len(series)]
+    for p in points:
+        cells = []
+        for name in series:
+            d = table[name].get(p)
+            if d is None:
+                cells.append("-")
+                continue
+            held = d.get("socket_bytes")
+            cells.append(f"{d['tokens_per_s']:.1f}" + (f" ({max(held) / 2**20:.1f} MiB)" if held else ""))
+        lines.append(f"| {p.model} | {p.dtype} | {p.batch} | {p.seq} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def console_table(records: Iterable[Mapping[str, Any]]) -> str:
@@ -250,6 +326,7 @@ def write_report(results: str | Path, out_dir: str | Path | None = None) -> list
         images += plots.heatmaps(mean_times(records), out)
         images += plots.speedup_bars(speedups(records), out)
         images += plots.decode_bars(decode_rates(records), out)
+        images += plots.decode_weights_bars(decode_by_weights(records), out)
         if _nodes(records) > 2:
             images += plots.scaling_plot(scaling(records), out)
     summary = out / SUMMARY

@@ -1,5 +1,5 @@
-"""What one benchmark measurement is: a frozen ``Config`` per (model, batch, seq, dtype, mode), and
-the sweep that expands option lists into them.
+"""What one benchmark measurement is: a frozen ``Config`` per (model, batch, seq, dtype, mode, weights),
+and the sweep that expands option lists into them.
 
 Plain data and the standard library only: the benchmark child imports this module before torch.
 """
@@ -18,8 +18,10 @@ __all__ = [
     "PAPER_MODELS",
     "PROCESS_POLICY_MODES",
     "QUICK",
+    "WEIGHTS",
     "Config",
     "Point",
+    "canonical_weights",
     "expand",
 ]
 
@@ -33,6 +35,25 @@ MODES: tuple[str, ...] = ("baseline", *NUMATP_MODES, *PROCESS_POLICY_MODES)
 """Every mode, baseline first: speedups are taken against ``baseline`` (torch.compile, default backend)."""
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+WEIGHTS: tuple[str, ...] = ("int8", "int4", "int4:g32", "int4:g64", "int4:g128")
+"""The quantized weight formats ``numatp.compile(weights=...)`` takes (:mod:`numatp.runtime.gemm.quant`),
+spelled here without importing torch, for the command line's checks and the sweep's keys."""
+
+_INT4_DEFAULT = "int4:g64"   # "int4" is int4 in groups of numatp.runtime.gemm.quant.DEFAULT_INT4_GROUP
+
+
+def canonical_weights(weights: str | None) -> str | None:
+    """One name per format (``"int4"`` -> ``"int4:g64"``, as ``QuantFormat.parse(...).name``), so that two
+    spellings of one format are one configuration; None (the model's dtype) stays None. A name not in
+    :data:`WEIGHTS` is a ValueError that lists them."""
+    if weights is None:
+        return None
+    name = str(weights).strip().lower()
+    if name not in WEIGHTS:
+        raise ValueError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}; pick one of those "
+                         "(or none for the model's dtype)")
+    return _INT4_DEFAULT if name == "int4" else name
 
 PAPER_MODELS: tuple[str, ...] = ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m")
 """The six models of the paper's evaluation (Table III), as zoo presets."""
@@ -84,6 +105,11 @@ class Config:
     """Use the zoo's shrunken twin of the preset (tests)."""
     decode: int = 0
     """Tokens to generate after the prefill timing (time to first token, decode tokens/s); 0: prefill only."""
+    weights: str | None = None
+    """Quantized weights of the numatp modes (one of :data:`WEIGHTS`, kept in its canonical name: ``"int4"``
+    is ``"int4:g64"``); None: the model's dtype. The other modes run torch.compile on the model as it is."""
+    keep_head: bool = False
+    """With ``weights``: the LM head and the embedding tables stay in the model's dtype (else int8)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -97,13 +123,23 @@ class Config:
             raise ValueError(f"decode={self.decode} must be 0 (prefill only) or the tokens to generate")
         if self.warmup < 0:
             raise ValueError(f"warmup={self.warmup} must be 0 or more; pass --warmup 0 to skip warm-up")
+        object.__setattr__(self, "weights", canonical_weights(self.weights))
+        if self.weights is not None and self.mode not in NUMATP_MODES:
+            raise ValueError(f"weights={self.weights!r} with mode {self.mode!r}: numatp quantizes the weights of "
+                             f"its own modes ({', '.join(NUMATP_MODES)}) only; the other modes run torch.compile "
+                             "on the model as it is: pass weights=None for them")
+        if self.keep_head and self.weights is None:
+            raise ValueError("keep_head=True without weights: it keeps the LM head in the model's dtype when the "
+                             "other weights are quantized; pass weights= too, or keep_head=False")
 
     @property
     def key(self) -> str:
-        """Identity for resuming: two runs with the same key measure the same thing the same way. A prefill-only
-        configuration (``decode`` 0) keeps the key it had before ``decode`` existed."""
+        """Identity for resuming: two runs with the same key measure the same thing the same way. A field at
+        the default it had when it was added (``decode`` 0, ``weights`` None, ``keep_head`` False) is left out,
+        so a configuration keeps the key it had before that field existed."""
+        added = {"decode": 0, "weights": None, "keep_head": False}
         return "|".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                        if not (f.name == "decode" and self.decode == 0))
+                        if not (f.name in added and getattr(self, f.name) == added[f.name]))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,14 +162,20 @@ def expand(
     iters: int = 50,
     tiny: bool = False,
     decode: int = 0,
+    weights: Iterable[str | None] = (None,),
+    keep_head: bool = False,
 ) -> list[Config]:
-    """Every combination, ordered model, dtype, batch, seq, then mode, so each configuration's
-    modes run back to back and a partial sweep already gives complete speedup rows."""
+    """Every combination, ordered model, dtype, batch, seq, then mode and weights, so each configuration's
+    modes run back to back and a partial sweep already gives complete speedup rows. ``weights`` (None: the
+    model's dtype) multiply the numatp modes only: the other modes run once, on the model as it is;
+    ``keep_head`` applies to the quantized ones."""
     modes = tuple(dict.fromkeys(modes))  # keep order, drop repeats
+    formats = tuple(dict.fromkeys(canonical_weights(w) for w in weights)) or (None,)
     return [
         Config(model=m, batch=b, seq=s, dtype=d, mode=mode, sockets=sockets, warmup=warmup, iters=iters, tiny=tiny,
-               decode=decode)
+               decode=decode, weights=w, keep_head=keep_head and w is not None)
         for m, d, b, s, mode in itertools.product(
             dict.fromkeys(models), dict.fromkeys(dtypes), dict.fromkeys(batches), dict.fromkeys(seqs), modes
         )
+        for w in (formats if mode in NUMATP_MODES else (None,))
     ]

@@ -183,7 +183,8 @@ def run_sweep(
                dynamic_ncols=True)
     with tempfile.TemporaryDirectory(prefix="numatp-bench-") as scratch:
         for config in configs:
-            bar.set_description(f"{Path(config.model).name} b{config.batch} s{config.seq} {config.dtype} {config.mode}")
+            bar.set_description(f"{Path(config.model).name} b{config.batch} s{config.seq} {config.dtype} {config.mode}"
+                                + (f" {config.weights}" if config.weights else ""))
             if config.key in done:
                 continue
             policy = policy_for(config.mode, machine, ranks)

@@ -1,12 +1,16 @@
 """``numatp bench``: measure prefill time per (model, batch, seq, dtype, mode), one fresh process each,
 into ``DIR/results.jsonl``, then write the report (``numatp report``). ``--decode N`` adds the time to
-first token and decode tokens/s of N generated tokens to each configuration."""
+first token and decode tokens/s of N generated tokens to each configuration; ``--weights`` runs the numatp
+modes with quantized weights too (a configuration per format), each line recording the format and the bytes
+each socket holds."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+from numatp.cli._weights import add_weight_args, check_weight_args
 
 __all__ = ["add_parser", "run"]
 
@@ -47,6 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=0, metavar="N",
                    help="also generate N tokens after the prompt (static cache) and record time to first token "
                    "and decode tokens/s (decoder models only; default 0: prefill only)")
+    add_weight_args(p, sweep=True)
     p.add_argument("--out", type=Path, default=Path(_DEFAULT_OUT), metavar="DIR",
                    help=f"folder for results.jsonl, child logs and the report (default: ./{_DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true",
@@ -91,12 +96,18 @@ def run(args: argparse.Namespace) -> int:
     from numatp.bench import RESULTS, expand, read_results, run_sweep, write_report
     from numatp.bench.report import console_table
     from numatp.bench.machine import resolve_ranks
-    from numatp.bench.spec import MODES, PAPER_MODELS, QUICK
+    from numatp.bench.spec import MODES, NUMATP_MODES, PAPER_MODELS, QUICK
     from numatp.topology import Topology
 
     quick = QUICK if args.quick else {}
     models = args.model or list(quick.get("models", PAPER_MODELS))
+    check_weight_args("bench", args)
     _validate_models(models, args.tiny, args.decode)
+    modes = args.modes or quick.get("modes", MODES)
+    if any(w is not None for w in args.weights or []) and not set(modes) & set(NUMATP_MODES):
+        raise SystemExit(f"numatp bench: --weights quantizes the weights of the numatp modes "
+                         f"({', '.join(NUMATP_MODES)}), and --modes {' '.join(modes)} has none; add numatp to "
+                         "--modes, or drop --weights")
     machine = Topology.detect()
     try:
         ranks = resolve_ranks(args.sockets, machine)
@@ -105,12 +116,14 @@ def run(args: argparse.Namespace) -> int:
             batches=args.batch or quick.get("batches", _DEFAULT_BATCHES),
             seqs=args.seq or quick.get("seqs", _DEFAULT_SEQS),
             dtypes=args.dtype or ["float32"],
-            modes=args.modes or quick.get("modes", MODES),
+            modes=modes,
             sockets=ranks.num_sockets,
             warmup=args.warmup if args.warmup is not None else quick.get("warmup", 10),
             iters=args.iters if args.iters is not None else quick.get("iters", 50),
             tiny=args.tiny,
             decode=args.decode,
+            weights=args.weights or [None],
+            keep_head=args.keep_head,
         )
         counts = run_sweep(configs, args.out, machine=machine, ranks=ranks, mechanism=args.mechanism,
                            timeout_s=args.timeout, memory_guard=args.memory_guard, progress=args.progress)

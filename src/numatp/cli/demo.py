@@ -5,7 +5,9 @@ single-node machine), the prefill latency of three modes and on which nodes the 
 the baseline (Inductor's default C++ backend on all usable CPUs), numatp unsharded (one program on all
 CPUs with numatp's measured GEMM providers: what numatp gains without NUMA-TP) and numatp sharded over
 the sockets (NUMA-TP). The two ratios keep the sources apart, so that a one-node machine never shows a
-GEMM-provider gain as a NUMA gain.
+GEMM-provider gain as a NUMA gain. ``--weights`` quantizes both numatp modes' weights
+(``numatp.compile(weights=...)``): their outputs are then compared with eager by their relative error,
+printed, not asserted (quantizing changes the numbers), and the bytes each socket holds are shown.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import statistics
 import sys
 import time
 from typing import Any
+
+from numatp.cli._weights import add_weight_args, check_weight_args, socket_bytes_line
 
 __all__ = ["add_parser", "run"]
 
@@ -36,6 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--warmup", type=int, default=2, help="untimed calls after compiling (default 2)")
     p.add_argument("--iters", type=int, default=5, help="timed calls per mode (default 5)")
     p.add_argument("--tiny", action="store_true", help="use the shrunken test config (seconds, not minutes)")
+    add_weight_args(p)
     p.set_defaults(run=run)
     return p
 
@@ -74,6 +79,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if zoo.resolve(args.model).folder is not None and args.tiny:
         raise SystemExit(f"numatp demo: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
                          "drop --tiny")
+    check_weight_args("demo", args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,18 +111,23 @@ def run(args: argparse.Namespace) -> int:
         base_out = base(**inputs).logits
         base_compile = time.perf_counter() - t0
         _say("compiling numatp unsharded: one program on all CPUs")
-        flat = numatp.compile(model, sockets=topo, policy="never")
+        quant: dict[str, Any] = dict(weights=args.weights, keep_head=args.keep_head)
+        flat = numatp.compile(model, sockets=topo, policy="never", **quant)
         t0 = time.perf_counter()
         flat_out = flat(**inputs).logits
         flat_compile = time.perf_counter() - t0
         _say(f"compiling numatp sharded over {topo.num_sockets} sockets")
-        tp = numatp.compile(model, sockets=topo)
+        tp = numatp.compile(model, sockets=topo, **quant)
         t0 = time.perf_counter()
         tp_out = tp(**inputs).logits
         tp_compile = time.perf_counter() - t0
         tol: dict[str, Any] = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=3e-2)
+        errors = {}
         for name, out in (("baseline", base_out), ("numatp unsharded", flat_out), ("numatp", tp_out)):
             diff = (out.float() - expected.float()).abs().max().item()
+            if args.weights and name != "baseline":   # quantized: how far, not whether equal
+                errors[name] = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+                continue
             torch.testing.assert_close(out, expected, **tol, msg=f"{name} differs from eager: max {diff:.3g}")
         _say(f"timing: {args.warmup} warm-up and {args.iters} timed calls each, interleaved")
         modes: dict[str, Any] = {"baseline": base, "unsharded": flat, "sharded": tp}
@@ -138,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
     work = max(sum(ex.sync_seconds[r] - ex.wait_seconds[r] for ex in executors) for r in range(topo.num_sockets))
     gather = max(sum(ex.gather_seconds[r] for ex in executors) for r in range(topo.num_sockets))
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"model: {args.model}{' (tiny)' if args.tiny else ''}, batch {args.batch} x seq {args.seq}, {args.dtype}")
+    quantized = f"; numatp's weights {args.weights}" + (" (LM head kept)" if args.keep_head else "")
+    print(f"model: {args.model}{' (tiny)' if args.tiny else ''}, batch {args.batch} x seq {args.seq}, {args.dtype}"
+          + (quantized if args.weights else ""))
     print(f"{'mode':<36} {'median ms':>10} {'cv %':>6} {'compile s':>10}")
     for label, key, comp in (("baseline torch.compile", "baseline", base_compile),
                              ("numatp unsharded (all CPUs)", "unsharded", flat_compile),
@@ -147,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         cv = 100 * statistics.pstdev(ts) / statistics.mean(ts)
         print(f"{label:<36} {1e3 * med[key]:>10.2f} {cv:>6.1f} {comp:>10.1f}")
     print(f"speedup numatp / baseline: {med['baseline'] / med['sharded']:.2f}x")
-    print(f"  from GEMM providers (numatp unsharded / baseline): {med['baseline'] / med['unsharded']:.2f}x")
+    source = f"GEMM providers and {args.weights} weights" if args.weights else "GEMM providers"
+    print(f"  from {source} (numatp unsharded / baseline): {med['baseline'] / med['unsharded']:.2f}x")
     print(f"  from sharding over {topo.num_sockets} sockets (sharded / unsharded): "
           f"{med['unsharded'] / med['sharded']:.2f}x"
           + (" (virtual sockets on one memory node: no locality to gain; the difference is the runtime's, "
@@ -160,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
     if gather:
         print(f"gather of the column-sharded output: {100 * gather / args.iters / med['sharded']:.1f}% "
               "(each socket copies its columns into the full tensor)")
+    if errors:
+        print(f"{args.weights} weights: logits' relative error against eager ({args.dtype} weights): "
+              + ", ".join(f"{name} {100 * e:.2f}%" for name, e in errors.items()))
+    print(socket_bytes_line(report, args.weights, args.keep_head, args.dtype,
+                            sum(p.nbytes for p in model.parameters())))
     unit = f"pages ({_size(os.sysconf('SC_PAGE_SIZE'))})"   # move_pages counts base pages
     for r in report["ranks"]:
         pages = ", ".join(f"node {n}: {c} {unit}" for n, c in sorted(r["pages"].items()))

@@ -1,5 +1,7 @@
 """``numatp explain MODEL``: what the NUMA-TP pass does to a model, block by block: the build pipeline
-(:mod:`numatp.plan.pipeline`) as ``numatp.compile`` runs it, stopped before compiling."""
+(:mod:`numatp.plan.pipeline`) as ``numatp.compile`` runs it, stopped before compiling. With ``--weights``
+the GEMM pass quantizes each socket's shards as ``numatp.compile(weights=...)`` does, and the GEMM table
+shows each weight's storage (dtype, or format and group) and bytes, and the bytes each socket holds."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import argparse
 import json
 import re
 from typing import Any
+
+from numatp.cli._weights import add_weight_args, check_weight_args, describe_weights, format_bytes
 
 __all__ = ["add_parser", "explain"]
 
@@ -33,8 +37,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--tiny", action="store_true", help="use the shrunken test config of the preset")
     p.add_argument("--gemm", action="store_true",
                    help="also show, per socket and weight-matmul shape, the GEMM provider numatp.compile picks "
-                   "and the measured rates behind it (measures shapes not yet in the cache, "
-                   "on the sockets' own pinned threads)")
+                   "and the measured rates behind it, with each weight's storage and bytes (measures shapes not "
+                   "yet in the cache, on the sockets' own pinned threads; implied by --weights)")
+    add_weight_args(p)
     p.add_argument("--plan", metavar="hf|FILE.json",
                    help="decisions that override the pass (a tp_plan: module patterns to colwise, rowwise, "
                    "replicate, vocab), from a JSON file (e.g. an edited `tp_plan` of --json) or 'hf' for the "
@@ -50,12 +55,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def explain(model_name: str, *, sockets: int | None, batch: int, seq: int, dtype: str, policy: str = "always",
-            tiny: bool = False, gemm: bool = False, tp_plan: str | dict | None = None, check: bool = False) -> dict:
+            tiny: bool = False, gemm: bool = False, tp_plan: str | dict | None = None, check: bool = False,
+            weights: str | None = None, keep_head: bool = False) -> dict:
+    """What ``numatp explain`` shows, as one JSON-able dict. ``weights`` (a format of
+    ``numatp.compile(weights=...)``) quantizes the shards in the GEMM pass, so it implies ``gemm``."""
     import torch
 
     from numatp import zoo
     from numatp.plan import Colwise, Rowwise, capture, hf_tp_plan, parse_tp_plan, pipeline
 
+    from numatp.plan.gemm_pass import QuantWeights
+
+    quant = QuantWeights.of(weights, keep_head=keep_head)   # a bad format: a ValueError before anything is built
     if sockets is None:   # numatp.compile's default (numatp.topology.default_topology)
         from numatp.topology import resolve_sockets
         sockets = resolve_sockets(None).num_sockets
@@ -71,6 +82,7 @@ def explain(model_name: str, *, sockets: int | None, batch: int, seq: int, dtype
             given = parse_tp_plan(tp_plan)
     graphs = capture(model, **zoo.example_inputs(model, batch=batch, seq=seq))
     out: dict[str, Any] = {"model": model_name, "sockets": sockets, "batch": batch, "seq": seq, "dtype": dtype,
+                           "weights": None if quant is None else quant.body.name, "keep_head": keep_head,
                            "graphs": []}
     from numatp.backend import close_call
 
@@ -83,14 +95,14 @@ def explain(model_name: str, *, sockets: int | None, batch: int, seq: int, dtype
     for ag, inputs in graphs:
         own = pipeline.plan(ag, sockets, policy=policy, decide=decide).decisions if given is not None else None
         plan = pipeline.plan(ag, sockets, policy=policy, decide=decide, tp_plan=given)
-        weights = []
+        placed: list[dict[str, Any]] = []
         for name, uses in plan.weights.items():
             for u in uses:
                 pl = u.placement
                 kind = type(pl).__name__
-                weights.append({"name": name, "shape": list(u.shape), "placement": kind,
-                                "dim": getattr(pl, "dim", None),
-                                "splits": [str(s) for s in pl.splits] if isinstance(pl, (Colwise, Rowwise)) else None})
+                placed.append({"name": name, "shape": list(u.shape), "placement": kind,
+                               "dim": getattr(pl, "dim", None),
+                               "splits": [str(s) for s in pl.splits] if isinstance(pl, (Colwise, Rowwise)) else None})
         sharded_bytes = plan.model_bytes - plan.replicated_bytes
         blocks: list[dict[str, Any]] = [
             {"kind": b.kind, "module": _shown_module(model, b.kind, b.module), "sharded": b.sharded,
@@ -99,7 +111,7 @@ def explain(model_name: str, *, sockets: int | None, batch: int, seq: int, dtype
         out["graphs"].append({
             "blocks": sorted(blocks, key=lambda b: (order.get(b["module"].split(" ")[0], len(order)),
                                                     _layer_order(b["module"]), b["kind"])),
-            "weights": weights,
+            "weights": placed,
             "reductions": plan.reductions, "gathers": plan.gathers,
             "model_bytes": plan.model_bytes, "sharded_fraction": sharded_bytes / max(plan.model_bytes, 1),
             "socket_bytes": [plan.socket_bytes(r) for r in range(sockets)],
@@ -110,7 +122,8 @@ def explain(model_name: str, *, sockets: int | None, batch: int, seq: int, dtype
         if own is not None:
             out["graphs"][-1]["differs_from_pass"] = {m: {"plan": v, "pass": own.get(m)}
                                                       for m, v in plan.decisions.items() if own.get(m) != v}
-        out["graphs"][-1].update(_lowered(ag, plan, inputs, sockets, policy, gemm=gemm, check=check))
+        out["graphs"][-1].update(_lowered(ag, plan, inputs, sockets, policy, gemm=gemm or quant is not None,
+                                          check=check, quant=quant))
     return out
 
 
@@ -136,11 +149,14 @@ def _shown_module(model, kind: str, module: str) -> str:
     return module if name is None else f"{name} (tied to {module})"
 
 
-def _lowered(ag, plan, inputs: list, sockets: int, policy: str, *, gemm: bool, check: bool) -> dict:
+def _lowered(ag, plan, inputs: list, sockets: int, policy: str, *, gemm: bool, check: bool, quant=None) -> dict:
     """The pipeline (:mod:`numatp.plan.pipeline`) as ``numatp.compile`` runs it for this graph, stopped
-    before compiling: per socket the steps of its program and, with ``gemm``, per weight matmul the
-    provider picked and the measured GFLOP/s behind it. An unsharded graph is one program on one socket
-    of all CPUs, as the backend runs it."""
+    before compiling: per socket the steps of its program, the bytes of the weights it holds as stored
+    (``stored_bytes``: quantized shards at their size, a tensor two programs' arguments share once) and,
+    with ``gemm``, per weight matmul the provider picked, the measured GFLOP/s behind it and the weight's
+    storage; ``quant`` (:class:`~numatp.plan.gemm_pass.QuantWeights`) quantizes the shards as
+    ``numatp.compile(weights=...)`` does. An unsharded graph is one program on one socket of all CPUs, as
+    the backend runs it."""
     from numatp.backend import resolve_topology, runs_unsharded
     from numatp.plan import pipeline
     from numatp.plan.gemm_pass import GemmSelector, report_rows
@@ -152,15 +168,33 @@ def _lowered(ag, plan, inputs: list, sockets: int, policy: str, *, gemm: bool, c
     if unsharded:
         topology = topology.whole()
         plan = pipeline.plan(ag, 1, policy="never")
-    selector = GemmSelector() if gemm else None
+    selector = GemmSelector(quant=quant) if gemm else None
     with SocketGroup(topology) as group:
         built = pipeline.lower_programs(ag, plan, group=group, gemm=selector, check=check,
                                         bind=lambda local: [bind_inputs(p.bindings, inputs, p.rank) for p in local])
-    out: dict = {"programs": [_steps(p) for p in built.programs], "checked": check}
+    out: dict = {"programs": [_steps(p) for p in built.programs], "checked": check,
+                 "stored_bytes": _stored_bytes(built)}
     if selector is not None:
         out["gemm"] = {"cache": str(selector.table.path), "margin": selector.options.margin,
                        "rows": report_rows(built.choices), "unsharded": unsharded}
     return out
+
+
+def _stored_bytes(built) -> list[int]:
+    """Per rank, the bytes of the weight arguments its program reads, each tensor once (a tied table that
+    reads its head's quantized shard is one tensor): plain shards at their dtype's size, quantized ones at
+    theirs; an opaque packed operand (oneDNN's) at its plain weight's size."""
+    import torch
+
+    totals = []
+    for local, args in zip(built.local, built.args):
+        held: dict[int, int] = {}
+        for i in local.weight_indices:
+            a = args[i]
+            t = a if isinstance(a, torch.Tensor) and a.layout == torch.strided else built.stand_in(a)
+            held[id(a)] = t.nbytes
+        totals.append(sum(held.values()))
+    return totals
 
 
 def _steps(prog) -> dict:
@@ -180,7 +214,7 @@ def _steps(prog) -> dict:
 def _print_gemm(g: dict) -> None:
     shapes: dict[tuple, dict] = {}
     for r in g["gemm"]["rows"]:
-        key = (r["m"], r["k"], r["n"], r["dtype"], r["threads"], r["provider"])
+        key = (r["m"], r["k"], r["n"], r["dtype"], r["threads"], r["provider"], r["storage"], r["bytes"])
         e = shapes.setdefault(key, {"sockets": set(), "uses": 0, "rates": r["rates"]})
         e["sockets"].add(r["rank"])
         e["uses"] += 1
@@ -188,15 +222,18 @@ def _print_gemm(g: dict) -> None:
     where = ("one program on one socket of all CPUs (unsharded)" if g["gemm"]["unsharded"]
              else "each socket's thread count")
     print(f"\nGEMM providers (GFLOP/s measured on this CPU, {where}; cache {g['gemm']['cache']})")
-    print(f"{'M x K x N':<20} {'dtype':<9} {'threads':>7} {'sockets':<8} {'per socket':>10}  {'chosen':<15}"
-          + "".join(f"{p:>15}" for p in providers))
-    for (m, k, n, dt, t, prov), e in sorted(shapes.items()):
+    print(f"{'M x K x N':<20} {'dtype':<9} {'threads':>7} {'sockets':<8} {'per socket':>10}  {'storage':<9} "
+          f"{'bytes each':>10}  {'chosen':<15}" + "".join(f"{p:>15}" for p in providers))
+    for (m, k, n, dt, t, prov, storage, nbytes), e in sorted(shapes.items()):
         socks = ",".join(str(x) for x in sorted(e["sockets"]))
         per_socket = e["uses"] // len(e["sockets"])
-        print(f"{f'{m} x {k} x {n}':<20} {dt:<9} {t:>7} {socks:<8} {per_socket:>10}  {prov:<15}"
-              + "".join(f"{_rate(e['rates'].get(p)):>15}" for p in providers))
-    print(f"(-: the provider does not run this dtype on this CPU; another provider replaces aten only when "
-          f"measured at least {100 * (g['gemm']['margin'] - 1):.0f}% faster)")
+        # an embedding table read by numatp::qembedding: N rows of K, looked up, not multiplied
+        shape = f"{m} x {k} x {n}" if m else f"table {n} x {k}"
+        print(f"{shape:<20} {dt:<9} {t:>7} {socks:<8} {per_socket:>10}  {storage:<9} {format_bytes(nbytes):>10}  "
+              f"{prov:<15}" + "".join(f"{_rate(e['rates'].get(p)):>15}" for p in providers))
+    print(f"(storage: the weight shard as a socket holds it, bytes each: one shard's bytes; -: the provider does "
+          f"not run this dtype on this CPU; another provider replaces aten only when measured at least "
+          f"{100 * (g['gemm']['margin'] - 1):.0f}% faster; a table is an embedding looked up in its stored form)")
 
 
 def _rate(r: float | None) -> str:
@@ -213,6 +250,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if zoo.resolve(args.model).folder is not None and args.tiny:
         raise SystemExit(f"numatp explain: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
                          "drop --tiny")
+    check_weight_args("explain", args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,11 +265,12 @@ def run(args: argparse.Namespace) -> int:
                              "to colwise, rowwise, replicate or vocab") from e
     info = explain(args.model, sockets=args.sockets, batch=args.batch, seq=args.seq, dtype=args.dtype,
                    policy=args.policy, tiny=args.tiny, gemm=args.gemm, tp_plan=tp_plan,
-                   check=args.check)
+                   check=args.check, weights=args.weights, keep_head=args.keep_head)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    print(f"{info['model']} on {info['sockets']} sockets, batch {info['batch']} x seq {info['seq']}, {info['dtype']}")
+    print(f"{info['model']} on {info['sockets']} sockets, batch {info['batch']} x seq {info['seq']}, {info['dtype']}; "
+          f"weights {describe_weights(info['weights'], info['keep_head'], info['dtype'])}")
     for gi, g in enumerate(info["graphs"]):
         if len(info["graphs"]) > 1:
             print(f"\ngraph {gi}")
@@ -270,6 +309,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"the plan given differs from the pass's own in {len(diff)} module(s)" + (":" if diff else ""))
             for m, d in sorted(diff.items()):
                 print(f"  {m}: {d['plan']} (the pass: {d['pass'] or 'not a decision it makes'})")
-        if "gemm" in g:
-            _print_gemm(g)
+        if "gemm" not in g:
+            continue
+        _print_gemm(g)
+        where = "one program of all CPUs (unsharded)" if g.get("gemm", {}).get("unsharded") else "per socket"
+        print(f"weights as stored ({describe_weights(info['weights'], info['keep_head'], info['dtype'])}) {where}: "
+              + ", ".join(f"socket {r}: {format_bytes(b)}" for r, b in enumerate(g["stored_bytes"]))
+              + (f" ({100 * sum(g['stored_bytes']) / max(sum(g['socket_bytes']), 1):.0f}% of their {info['dtype']} "
+                 "bytes)" if info["weights"] and not g.get("gemm", {}).get("unsharded") else ""))
     return 0

@@ -12,6 +12,8 @@ import argparse
 import sys
 import time
 
+from numatp.cli._weights import add_weight_args, check_weight_args, socket_bytes_line
+
 __all__ = ["add_parser", "run"]
 
 
@@ -34,6 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--sockets", type=int, default=None,
                    help="socket count (default: the detected sockets, or 2 virtual ones on a one-node machine)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
+    add_weight_args(p)
     p.add_argument("--sample", action="store_true", help="sample (the model's generation config) instead of greedy")
     p.add_argument("--baseline", action="store_true",
                    help="also generate with torch.compile (same static cache and loop) and compare")
@@ -68,6 +71,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
                               ("--sockets", args.sockets, "must be >= 1")):
         if value is not None and value < 1:
             raise SystemExit(f"numatp generate: {flag} {value}: {rule}")
+    check_weight_args("generate", args)
     source = zoo.resolve(args.model)
     if source.folder is not None and args.tiny:
         raise SystemExit(f"numatp generate: --tiny shrinks presets only, and {args.model!r} is a checkpoint folder; "
@@ -134,7 +138,9 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline:
         runs.append(("torch.compile", torch.compile(model)))
     gemm = numatp.GemmOptions(first_token=True) if args.first_token else None
-    runs.append((f"numatp {topo.num_sockets} sockets", numatp.compile(model, sockets=topo, gemm=gemm)))
+    name = f"numatp {topo.num_sockets} sockets" + (f" {args.weights}" if args.weights else "")
+    runs.append((name, numatp.compile(model, sockets=topo, gemm=gemm, weights=args.weights,
+                                      keep_head=args.keep_head)))
     results = {}
     for name, compiled in runs:
         _say(f"{name}: compiling the prompt and the decode step (first generation, untimed)")
@@ -148,12 +154,16 @@ def run(args: argparse.Namespace) -> int:
     for name, g in results.items():
         per = 1e3 / g.decode_tokens_per_second if g.new_tokens > 1 else float("nan")
         print(f"{name:<28} {1e3 * g.prefill_seconds:>15.1f} {g.decode_tokens_per_second:>13.2f} {per:>9.2f}")
+    print(socket_bytes_line(numatp.placement_report(runs[-1][1]), args.weights, args.keep_head, args.dtype,
+                            sum(p.nbytes for p in model.parameters())))
     if args.baseline and not args.sample:
         (a, ga), (b, gb) = results.items()
         same = torch.equal(ga.sequences, gb.sequences)
+        why = ("expected with quantized weights: torch.compile runs the model's own" if args.weights
+               else "expected only within rounding in bf16")
         print(f"decode speedup numatp / torch.compile: "
               f"{gb.decode_tokens_per_second / ga.decode_tokens_per_second:.2f}x; greedy tokens "
-              + ("identical" if same else "differ (expected only within rounding in bf16)"))
+              + ("identical" if same else f"differ ({why})"))
     g = results[runs[-1][0]]
     if tokenizer is not None:
         for row in g.sequences:
