@@ -14,6 +14,7 @@ from: :class:`~numatp.runtime.gemm.PackInfo`), which it hands out in their place
 from __future__ import annotations
 
 import errno
+import resource
 from typing import Any
 
 import torch
@@ -139,7 +140,8 @@ class WeightStore:
         plain tensors, counted in the pages). MKL's packing reserves more than it writes; per rank,
         ``unwritten_pages`` counts the pages of its buffers never written, so resident nowhere (left out
         of ``pages``); ``bytes`` the bytes of the tensors it holds (each once; opaque packed operands
-        not counted), the weight memory of a socket (quantized shards at their quantized size)."""
+        not counted, MKL's buffers less their pages never written), the weight memory of a socket
+        (quantized shards at their quantized size)."""
         ranks = []
         local = total = opaque = packed = 0
         for r, sock in enumerate(self.topology.sockets):
@@ -168,7 +170,10 @@ class WeightStore:
                 if info is not None and PROVIDERS[info.provider].places:
                     # never written: not present (-ENOENT), or the shared zero page once read (-EFAULT, seen
                     # in the 4-node guest for MKL's packed buffers): resident on no node either way
-                    unwritten += counts.pop(-errno.ENOENT, 0) + counts.pop(-errno.EFAULT, 0)
+                    never = counts.pop(-errno.ENOENT, 0) + counts.pop(-errno.EFAULT, 0)
+                    unwritten += never
+                    # MKL's packing reserves more than it writes: the bytes held are the resident ones
+                    held[id(t)] = max(0, t.nbytes - never * resource.getpagesize())
                 for node, n in counts.items():
                     pages[node] = pages.get(node, 0) + n
             ranks.append({"socket": r, "node": sock.node, "pages": pages, "unwritten_pages": unwritten,
