@@ -97,6 +97,7 @@ inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vset(float v) { return _mm512_set1_ps(v); }
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, vf a) { _mm512_storeu_ps(p, a); }
 // kLanes int8 as fp32
 inline vf load_i8(const std::int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -121,6 +122,7 @@ inline float vsum(vf a) {
   return _mm_cvtss_f32(s);
 }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, vf a) { _mm256_storeu_ps(p, a); }
 inline vf load_i8(const std::int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -143,6 +145,7 @@ inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
 inline vf vset(float v) { return v; }
 inline float vsum(vf a) { return a; }
 inline vf vload(const float* p) { return *p; }
+inline void store(float* p, vf a) { *p = a; }
 inline vf load_i8(const std::int8_t* p) { return float(*p); }
 inline void load_i4(const std::uint8_t* p, vf* out) {
   for (int i = 0; i < 16; ++i) {
@@ -414,56 +417,53 @@ void qgemv(const QW& w, const void* x, int x_bf16, const void* bias, void* y, st
 }
 
 // channels [n0, n1) dequantized into out ((n1 - n0, K), fp32 or bf16): w = qv * s (+ z) in fp32 (the
-// reference's arithmetic), then rounded to bf16 where asked
+// reference's arithmetic: a product then a sum, two roundings), then rounded to bf16 where asked.
+// 32 values at a time into a row of fp32 (L1), then stored or rounded.
+inline void put_row(const float* src, std::int64_t k, void* out, std::int64_t row, int to_bf16) {
+  if (!to_bf16) {
+    std::memcpy(static_cast<float*>(out) + row * k, src, static_cast<std::size_t>(k) * sizeof(float));
+    return;
+  }
+  u16* o = static_cast<u16*>(out) + row * k;
+  std::int64_t c = 0;
+#if defined(__AVX512BF16__)
+  for (; c + 32 <= k; c += 32)
+    _mm512_storeu_si512(o + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16), _mm512_loadu_ps(src + c)));
+#endif
+  for (; c < k; ++c) o[c] = float_to_bf16(src[c]);
+}
+
 void dequant(const QW& w, std::int64_t n0, std::int64_t n1, void* out, int to_bf16) {
   const std::int64_t k = w.k;
   parallel(n1 - n0, 16, [&](std::int64_t a, std::int64_t b) {
-    std::vector<float> tmp(static_cast<std::size_t>(k));
+    std::vector<float> tmp(static_cast<std::size_t>(k) + 32);
+    float* dst = tmp.data();
     for (std::int64_t i = a; i < b; ++i) {
       const std::int64_t n = n0 + i;
-      float* dst = to_bf16 ? tmp.data() : static_cast<float*>(out) + i * k;
       if (w.bits == 8) {
         const std::int8_t* q = reinterpret_cast<const std::int8_t*>(w.q) + n * k;
         const float s = w.s[n];
+        const vf sv = vset(s);
         std::int64_t c = 0;
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-        for (; c + kLanes <= k; c += kLanes)
-#if defined(__AVX512F__)
-          _mm512_storeu_ps(dst + c, _mm512_mul_ps(load_i8(q + c), vset(s)));
-#else
-          _mm256_storeu_ps(dst + c, _mm256_mul_ps(load_i8(q + c), vset(s)));
-#endif
-#endif
+        for (; c + kLanes <= k; c += kLanes) store(dst + c, load_i8(q + c) * sv);
         for (; c < k; ++c) dst[c] = float(q[c]) * s;
       } else {
         const std::uint8_t* q = w.q + n * (k / 2);
         for (std::int64_t g = 0; g < w.groups; ++g) {
-          const float s = w.s[n * w.groups + g];
-          const float z = w.z ? w.z[n * w.groups + g] : 0.f;
-          for (std::int64_t b = 0; b < w.group / 32; ++b) {
-            const std::int64_t c = g * w.group + 32 * b;
-            const std::uint8_t* p = q + c / 2;
-            for (int e = 0; e < 16; ++e) {
-              float lo = float(int(p[e] & 0x0F) - 8) * s, hi = float(int(p[e] >> 4) - 8) * s;
-              if (w.z) {
-                lo += z;
-                hi += z;
-              }
-              dst[c + e] = lo;
-              dst[c + 16 + e] = hi;
+          const vf sv = vset(w.s[n * w.groups + g]);
+          const vf zv = vset(w.z ? w.z[n * w.groups + g] : 0.f);
+          for (std::int64_t c = g * w.group; c < (g + 1) * w.group; c += 32) {
+            vf v[32 / kLanes];
+            load_i4(q + c / 2, v);   // (q - 8) in order
+            for (int e = 0; e < 32 / kLanes; ++e) {
+              vf t = v[e] * sv;
+              if (w.z) t = t + zv;
+              store(dst + c + e * kLanes, t);
             }
           }
         }
       }
-      if (to_bf16) {
-        u16* o = static_cast<u16*>(out) + i * k;
-        std::int64_t c = 0;
-#if defined(__AVX512BF16__)
-        for (; c + 16 <= k; c += 16)
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(dst + c)));
-#endif
-        for (; c < k; ++c) o[c] = float_to_bf16(dst[c]);
-      }
+      put_row(dst, k, out, i, to_bf16);
     }
   });
 }
