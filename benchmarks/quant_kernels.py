@@ -1,11 +1,11 @@
 """The quantized-weight GEMM providers against numatp's bf16/fp32 ones, on one socket's threads.
 
-Decode (few rows): ``qgemv`` over int8 and int4 weights against numatp's ``gemv`` on the plain weight, each
-timed on a ring of weight copies past the last-level cache (``GemmShape.stream``: every call reads its
-weight from memory, as a decode step does), so the rate is the memory's. Prompt (many rows): ``qtile``
-and ``q8_aten`` on int8/int4 against the best of the plain providers. Every row is measured by
-``numatp.runtime.gemm.measure_all`` (rounds, median per copy); the configurations are measured in turn
-``--repeats`` times (interleaved, so that a change of load slows all alike) and the median kept.
+Decode (few rows): ``qgemv`` over int8 and int4 weights against numatp's ``gemv`` on the plain weight,
+each reading a ring of weight copies past the last-level cache (``numatp.runtime.gemm.streamed_copies``:
+every call reads its weight from memory, as a decode step does), so the rate is the memory's. Prompt
+(many rows): ``qtile`` and ``q8_aten`` against every plain provider. The configurations compared at one
+(dtype, M, K, N) are timed in rounds, one call of each per round (each on the next copy of its ring), so
+that a change of load on the machine slows all of them alike; the median call time counts.
 
 Columns: GB/s of weight bytes read per call (the quantized buffer's, scales included, or the plain
 weight's), GFLOP/s (2 M K N per call), and the ratio of the call rate to the reference (decode: plain
@@ -21,9 +21,53 @@ import argparse
 import json
 import statistics
 import sys
+import time
 
 SHAPES = [(1024, 4096), (4096, 1024)]   # (K, N): GPT-2 medium's MLP, up and down
 PLAIN_PROMPT = ["aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32"]
+
+
+def _compare(configs, args, facts) -> list[dict]:
+    """Time ``configs`` ((shape, provider) pairs at one M, K, N) in rounds; rows with the median rates."""
+    import torch
+
+    from numatp.runtime.gemm import PROVIDERS, quant, streamed_copies
+
+    shape0 = configs[0][0]
+    dtype = getattr(torch, shape0.dtype)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape0.n, shape0.k, generator=g).to(dtype)
+    x = torch.randn(shape0.m, shape0.k, generator=g).to(dtype)
+    bias = torch.randn(shape0.n, generator=g).to(dtype)
+    rings = []
+    for shape, p in configs:
+        op = PROVIDERS[p].prepare(quant.quantize(w, shape.weights) if shape.weights else w, shape.m)
+        copies = streamed_copies(shape, facts)
+        rings.append([op] + [op.clone() for _ in range(copies - 1)])
+    times: list[list[float]] = [[] for _ in configs]
+    for (shape, p), ring in zip(configs, rings):   # warm-up: every copy once
+        for op in ring:
+            PROVIDERS[p].call(x, op, bias, shape.n, shape.k)
+    start = time.perf_counter()
+    calls = 0
+    while calls < 3 or (time.perf_counter() - start < args.min_seconds * len(configs) and calls < 2000):
+        for i, ((shape, p), ring) in enumerate(zip(configs, rings)):
+            op = ring[calls % len(ring)]
+            t0 = time.perf_counter()
+            PROVIDERS[p].call(x, op, bias, shape.n, shape.k)
+            times[i].append(time.perf_counter() - t0)
+        calls += 1
+    secs = [statistics.median(t) for t in times]
+    plain = [i for i, (s, _) in enumerate(configs) if not s.weights]
+    ref = min(plain, key=lambda i: secs[i])
+    rows = []
+    for (shape, p), t in zip(configs, secs):
+        rows.append({"m": shape.m, "k": shape.k, "n": shape.n, "dtype": shape.dtype, "weights": shape.weights,
+                     "provider": p, "threads": shape.threads, "stream": shape.stream, "calls": calls,
+                     "gb_s": round(shape.weight_bytes / t / 1e9, 2), "gflops": round(shape.flops / t / 1e9, 2),
+                     "vs_reference": round(secs[ref] / t, 3), "reference": configs[ref][1]})
+    print(f"# {shape0.dtype} {shape0.m} x {shape0.k} x {shape0.n}: {calls} rounds", file=sys.stderr, flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,68 +78,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-rows", nargs="*", type=int, default=[1, 4, 16], help="M of the decode rows (none: empty)")
     ap.add_argument("--prompt-rows", nargs="*", type=int, default=[512], help="M of the prompt rows (none: empty)")
     ap.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES], help="KxN weight shapes")
-    ap.add_argument("--repeats", type=int, default=3, help="measurements of every row, interleaved")
-    ap.add_argument("--min-seconds", type=float, default=0.3)
+    ap.add_argument("--min-seconds", type=float, default=1.0, help="timing per configuration (in rounds)")
     ap.add_argument("--json", action="store_true", help="also print a JSON line per row")
     args = ap.parse_args(argv)
 
     import torch
 
-    from numatp.runtime.gemm import PROVIDERS, GemmShape, MachineFacts, measure_all
+    from numatp.runtime.gemm import PROVIDERS, GemmShape, MachineFacts
 
     torch.set_num_threads(args.threads)
     facts = MachineFacts.detect()
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
-    # (shape, providers): every configuration, measured in turn per repeat
-    runs: list[tuple[GemmShape, list[str]]] = []
-    for dtype in args.dtypes:
-        for k, n in shapes:
-            for m in args.decode_rows:
-                runs.append((GemmShape(m, k, n, dtype, "nk", args.threads, stream=True), ["gemv"]))
-                for fmt in args.formats:
-                    runs.append((GemmShape(m, k, n, dtype, "nk", args.threads, stream=True, weights=fmt), ["qgemv"]))
-            for m in [m for m in args.prompt_rows if m > 0]:
-                plain = [p for p in PLAIN_PROMPT if PROVIDERS[p].runs(GemmShape(m, k, n, dtype, "nk", 1))]
-                runs.append((GemmShape(m, k, n, dtype, "nk", args.threads), plain))
-                for fmt in args.formats:
-                    q = ["qtile"] + (["q8_aten"] if fmt == "int8" else [])
-                    runs.append((GemmShape(m, k, n, dtype, "nk", args.threads, weights=fmt), q))
-    got: dict[tuple[str, str], list[float]] = {}
+    rows = []
     with torch.inference_mode():
-        for rep in range(args.repeats):
-            for shape, provs in runs:
-                rates = measure_all({p: PROVIDERS[p] for p in provs}, shape, min_seconds=args.min_seconds,
-                                    max_calls=200, facts=facts)
-                for p, r in rates.items():
-                    got.setdefault((shape.key, p), []).append(r)
-            print(f"# repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
-
-    def rate(shape: GemmShape, p: str) -> float:
-        return statistics.median(got[(shape.key, p)])
-
-    def reference(shape: GemmShape) -> tuple[str, float]:
-        plain = GemmShape(shape.m, shape.k, shape.n, shape.dtype, shape.layout, shape.threads, stream=shape.stream)
-        provs = [p for s, ps in runs if s == plain for p in ps]
-        best = max(provs, key=lambda p: rate(plain, p))
-        return best, rate(plain, best)
-
+        for dtype in args.dtypes:
+            for k, n in shapes:
+                for m in args.decode_rows:
+                    configs = [(GemmShape(m, k, n, dtype, "nk", args.threads, stream=True), "gemv")]
+                    configs += [(GemmShape(m, k, n, dtype, "nk", args.threads, stream=True, weights=f), "qgemv")
+                                for f in args.formats]
+                    rows += _compare(configs, args, facts)
+                for m in args.prompt_rows:
+                    plain = GemmShape(m, k, n, dtype, "nk", args.threads)
+                    configs = [(plain, p) for p in PLAIN_PROMPT if PROVIDERS[p].runs(plain)]
+                    for f in args.formats:
+                        shape = GemmShape(m, k, n, dtype, "nk", args.threads, weights=f)
+                        configs += [(shape, p) for p in ("qtile", "q8_aten") if PROVIDERS[p].runs(shape)]
+                    rows += _compare(configs, args, facts)
     print(f"{'shape (M x K x N, x dtype)':32} {'weights':9} {'provider':15} {'GB/s':>7} {'GFLOP/s':>8} "
           f"{'vs':>6}  reference")
-    for shape, provs in runs:
-        ref_name, ref_rate = reference(shape)
-        for p in provs:
-            r = rate(shape, p)
-            secs = shape.flops / (r * 1e9) if r > 0 else float("inf")
-            gbs = shape.weight_bytes / secs / 1e9
-            ratio = r / ref_rate if ref_rate > 0 else float("nan")
-            label = f"{shape.m} x {shape.k} x {shape.n}, {shape.dtype}"
-            print(f"{label:32} {shape.weights or 'plain':9} {p:15} {gbs:7.1f} {r:8.1f} {ratio:6.2f}  {ref_name}")
-            if args.json:
-                print(json.dumps({"m": shape.m, "k": shape.k, "n": shape.n, "dtype": shape.dtype,
-                                  "weights": shape.weights, "provider": p, "threads": shape.threads,
-                                  "stream": shape.stream, "gb_s": round(gbs, 2), "gflops": round(r, 2),
-                                  "vs_reference": round(ratio, 3), "reference": ref_name,
-                                  "samples": [round(v, 2) for v in got[(shape.key, p)]]}))
+    for r in rows:
+        label = f"{r['m']} x {r['k']} x {r['n']}, {r['dtype']}"
+        print(f"{label:32} {r['weights'] or 'plain':9} {r['provider']:15} {r['gb_s']:7.1f} {r['gflops']:8.1f} "
+              f"{r['vs_reference']:6.2f}  {r['reference']}")
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
     return 0
 
 
