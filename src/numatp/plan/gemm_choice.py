@@ -26,7 +26,8 @@ from numatp.runtime.gemm import PROVIDERS, GemmShape, PackInfo, decode_shape, us
 __all__ = ["DEFAULT_PROVIDERS", "Decode", "GemmChoice", "GemmOptions", "Prior", "best_provider", "choose"]
 
 
-DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32", "gemv", "q_dequant")
+DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32", "gemv", "qgemv", "qtile",
+                     "q8_aten", "q_dequant")
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """numatp's C++ library, compiled on first use with the compiler torch.compile's C++ backend uses.
 
-Three sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
+Four sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
 all-reduce, plain C functions that :mod:`numatp.runtime.collective` calls through ``ctypes``),
 ``ops.cpp`` (dispatcher ops that compiled segments call from their C++ wrapper without the GIL:
 ``numatp::linear``, the GEMM providers, and ``numatp::socket_all_reduce``, the collective itself; and
 ``numatp::linear_into`` and ``numatp::mkl_pack``, which the executor and the GEMM providers call) and
-``gemv.cpp`` (numatp's own kernel for a decode step's few rows, one of those providers). It is built
+``gemv.cpp`` (numatp's own kernel for a decode step's few rows, one of those providers) and ``quant.cpp``
+(its kernels over quantized weights: a GEMV and the dequantizing of tiles, for more providers). It is built
 with torch's headers, ABI and libraries (as torch's own C++ extensions are) into
 ``~/.cache/numatp/ext/``, keyed by the sources, the compiler, the flags, this CPU and the torch build, so
 a new CPU or torch builds again (about 15 s: the sources compile at once, ops.cpp's torch headers take
@@ -32,7 +33,7 @@ from numatp.topology.resources import cpu_signature
 __all__ = ["compiler", "build", "library_path", "load_ops"]
 
 _HERE = Path(__file__).parent
-SOURCES = ("collective.cpp", "ops.cpp", "gemv.cpp")
+SOURCES = ("collective.cpp", "ops.cpp", "gemv.cpp", "quant.cpp")
 _lock = threading.Lock()
 _path: Path | None = None
 _ops_loaded = False

@@ -3,7 +3,8 @@
 // Inside a segment compiled by Inductor with cpp_wrapper, an op Inductor has no lowering for is called
 // through the dispatcher from the generated C++ (aoti_torch_call_dispatcher): these run in the segment
 // without the GIL and without a cut in the socket's program.
-//   numatp::linear      a weight matmul by a measured GEMM provider (numatp's own GEMV in gemv.cpp);
+//   numatp::linear      a weight matmul by a measured GEMM provider (numatp's own GEMV in gemv.cpp, its
+//                       kernels over quantized weights in quant.cpp);
 //   numatp::linear_into the same, written into given columns of a wider tensor (a gathered LM head);
 //   numatp::mkl_pack    MKL's packed copy of a weight, for the mkl_packed providers;
 //   numatp::socket_all_reduce  the sockets' reduction (collective.cpp, built into the same library).
@@ -13,13 +14,17 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <torch/library.h>
 
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <ctime>
 #include <sys/mman.h>
 #include <sys/syscall.h>
@@ -37,6 +42,11 @@ void numatp_gemv_rows_f32(const float* x, const float* w, const float* bias, flo
                           std::int64_t k, std::int64_t n, int kn);
 void numatp_gemv_rows_bf16(const std::uint16_t* x, const std::uint16_t* w, const std::uint16_t* bias,
                            std::uint16_t* y, std::int64_t m, std::int64_t k, std::int64_t n, int kn);
+// quant.cpp: over a quantized weight's sections (numatp.runtime.gemm.quant's buffer)
+void numatp_qgemv(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n, std::int64_t k,
+                  std::int64_t group, const void* x, int x_bf16, const void* bias, void* y, std::int64_t m);
+void numatp_qdequant(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n,
+                     std::int64_t k, std::int64_t group, std::int64_t n0, std::int64_t n1, void* out, int to_bf16);
 }
 
 namespace {
@@ -46,6 +56,9 @@ constexpr int64_t kMklPacked = 1;   // MKL's packed-B GEMM on a weight packed by
 constexpr int64_t kMklPackedF32 = 2;  // the same for bf16 activations, computed in fp32
 constexpr int64_t kGemvNK = 3;      // numatp's GEMV on the plain (N, K) weight
 constexpr int64_t kGemvKN = 4;      // the same on a plain (K, N) weight (GPT-2's Conv1D)
+constexpr int64_t kQgemv = 5;       // quant.cpp's GEMV on a quantized buffer (int8 or int4), up to 16 rows
+constexpr int64_t kQtile = 6;       // dequantize-per-tile GEMM on a quantized buffer, any rows
+constexpr int64_t kQ8Aten = 7;      // ATen's _weight_int8pack_mm on views into an int8 buffer
 
 // A new tensor of its own pages, bound to `node` before the first touch (mmap + mbind): a worker's
 // allocator may recycle pages of another node, and a page never written (as MKL's packing leaves part of
@@ -208,6 +221,152 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   return y;
 }
 
+// ---- quantized weights: numatp.runtime.gemm.quant's buffer ----
+//
+// One flat uint8 tensor: a 128-byte header of int64 (magic, version, bits, N, K, group, has zeros, the
+// offsets of q, scales and zeros, q's bytes, the total), then the sections (see quant.py).
+
+constexpr int64_t kQuantMagic = 0x5150544E;   // "NTPQ"
+constexpr int64_t kQuantVersion = 1;
+constexpr int64_t kQuantHeader = 128;
+
+struct QuantBuf {
+  int64_t bits, n, k, group, zeros, q_off, s_off, z_off, q_bytes, total;
+  const std::uint8_t* base;
+  const std::uint8_t* q() const { return base + q_off; }
+  const float* s() const { return reinterpret_cast<const float*>(base + s_off); }
+  const float* z() const { return zeros ? reinterpret_cast<const float*>(base + z_off) : nullptr; }
+  int64_t groups() const { return k / group; }
+};
+
+QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 1 && w.is_contiguous() && w.numel() >= kQuantHeader,
+              who, ": the weight must be a quantized buffer (a contiguous 1-D uint8 tensor made by "
+              "numatp.runtime.gemm.quant), got ", w.scalar_type(), " ", w.sizes(), "; plain float weights take "
+              "the plain providers");
+  QuantBuf b{};
+  b.base = w.const_data_ptr<std::uint8_t>();
+  int64_t h[12];
+  std::memcpy(h, b.base, sizeof h);
+  TORCH_CHECK(h[0] == kQuantMagic && h[1] == kQuantVersion, who, ": the weight is not a numatp quantized buffer "
+              "(magic ", h[0], ", version ", h[1], "; expected ", kQuantMagic, ", ", kQuantVersion,
+              "): quantize it with numatp.runtime.gemm.quant.quantize");
+  b.bits = h[2], b.n = h[3], b.k = h[4], b.group = h[5], b.zeros = h[6];
+  b.q_off = h[7], b.s_off = h[8], b.z_off = h[9], b.q_bytes = h[10], b.total = h[11];
+  TORCH_CHECK(b.n == n && b.k == k, who, ": the quantized weight is (N, K) = (", b.n, ", ", b.k,
+              "), the call asks for (", n, ", ", k, ")");
+  TORCH_CHECK(b.bits == 8 || b.bits == 4, who, ": quantized weights are int8 or int4, the header says ", b.bits,
+              " bits");
+  TORCH_CHECK(b.group > 0 && b.k % b.group == 0 && (b.bits == 8 ? b.group == b.k : b.group % 32 == 0), who,
+              ": a ", b.bits, "-bit weight of K = ", b.k, " cannot have groups of ", b.group);
+  const int64_t q_bytes = b.bits == 8 ? b.n * b.k : b.n * b.k / 2, s_bytes = b.n * b.groups() * 4;
+  TORCH_CHECK(b.total == w.numel() && b.q_bytes == q_bytes && b.q_off >= kQuantHeader &&
+                  b.q_off + q_bytes <= b.total && b.s_off % 4 == 0 && b.s_off + s_bytes <= b.total &&
+                  (!b.zeros || (b.z_off % 4 == 0 && b.z_off + s_bytes <= b.total)),
+              who, ": the quantized buffer's header does not match its ", w.numel(), " bytes (total ", b.total,
+              ", q at ", b.q_off, "+", b.q_bytes, ", scales at ", b.s_off, ", zeros at ", b.z_off, ")");
+  return b;
+}
+
+void check_x(const at::Tensor& x, const char* who) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, who,
+              ": activations are float32 or bfloat16 over a quantized weight, got ", x.scalar_type());
+}
+
+std::optional<at::Tensor> bias_as(const std::optional<at::Tensor>& bias, const at::Tensor& x, int64_t n,
+                                  const char* who) {
+  if (!bias.has_value()) return std::nullopt;
+  TORCH_CHECK(bias->numel() == n, who, ": the bias has ", bias->numel(), " elements, the output ", n, " columns");
+  return bias->to(x.scalar_type()).reshape({n}).contiguous();
+}
+
+// quant.cpp's GEMV: up to 16 rows, the weight streamed once
+at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
+                 int64_t k) {
+  const char* who = "numatp qgemv";
+  const QuantBuf b = quant_buf(w, n, k, who);
+  check_x(x, who);
+  const int64_t m = x.size(0);
+  TORCH_CHECK(m <= kGemvMaxRows, who, ": runs up to ", kGemvMaxRows, " rows (a decode step), got ", m,
+              "; use qtile or q8_aten for more");
+  const auto bb = bias_as(bias, x, n, who);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m > 0 && n > 0)
+    numatp_qgemv(b.q(), b.s(), b.z(), static_cast<int>(b.bits), n, k, b.group, xc.const_data_ptr(),
+                 x.scalar_type() == at::kBFloat16, bb ? bb->const_data_ptr() : nullptr, y.mutable_data_ptr(), m);
+  return y;
+}
+
+// Dequantize-per-tile GEMM: blocks of output channels dequantized into a buffer of this thread's (in x's
+// dtype: the weight rounded to bf16 where x is bf16, exact for fp32), each multiplied by a GEMM into the
+// output's columns: oneDNN's for bf16 (measured on an AVX-512/AMX Xeon, 2 threads, 512 x 1024 x 4096: 350
+// GFLOP/s where ATen's mm ran 165), ATen's (MKL) for fp32, written in place. Blocks as large as kTileBytes allows: one block for most layers, so that the GEMM
+// runs on as many columns as it can.
+constexpr int64_t kTileBytes = 8 << 20;
+
+at::Tensor qtile(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
+                 int64_t k) {
+  const char* who = "numatp qtile";
+  const QuantBuf b = quant_buf(w, n, k, who);
+  check_x(x, who);
+  const auto bb = bias_as(bias, x, n, who);
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const int64_t item = bf16 ? 2 : 4;
+  const int64_t nb = std::min<int64_t>(n, std::max<int64_t>(64, kTileBytes / (k * item) / 64 * 64));
+  thread_local at::Tensor tile;
+  if (!tile.defined() || tile.scalar_type() != x.scalar_type() || tile.numel() < nb * k)
+    tile = at::empty({nb * k}, x.options());
+  for (int64_t n0 = 0; n0 < n; n0 += nb) {
+    const int64_t cols = std::min(nb, n - n0);
+    at::Tensor wt = tile.narrow(0, 0, cols * k).view({cols, k});
+    numatp_qdequant(b.q(), b.s(), b.z(), static_cast<int>(b.bits), n, k, b.group, n0, n0 + cols,
+                    wt.mutable_data_ptr(), bf16);
+    if (bf16) {   // oneDNN's bf16 GEMM (AMX where the CPU has it): ATen's mm ran at half its rate
+      std::optional<at::Tensor> bs;
+      if (bb) bs = bb->narrow(0, n0, cols);
+      at::Tensor part = onednn(x, wt, bs);
+      if (cols == n) return part;
+      y.narrow(1, n0, cols).copy_(part);
+    } else {
+      at::Tensor out = cols == n ? y : y.narrow(1, n0, cols);
+      if (bb) {
+        at::addmm_out(out, bb->narrow(0, n0, cols), x, wt.t());
+      } else {
+        at::mm_out(out, x, wt.t());
+      }
+    }
+  }
+  return y;
+}
+
+// ATen's int8 weight-only GEMM on views into the buffer: the scales converted to x's dtype (rounded to
+// bf16 where x is bf16), the bias added to its output (a second rounding for bf16)
+at::Tensor q8_aten(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
+                   int64_t k) {
+  const char* who = "numatp q8_aten";
+  const QuantBuf b = quant_buf(w, n, k, who);
+  check_x(x, who);
+  TORCH_CHECK(b.bits == 8 && !b.zeros, who, ": ATen's _weight_int8pack_mm reads int8 weights with one scale per "
+              "output channel, not a ", b.bits, "-bit weight", b.zeros ? " with zeros" : "",
+              "; use qgemv or qtile");
+  // measured (torch 2.13): its bfloat16 kernel reads past a row whose K is not a multiple of 16 (NaNs,
+  // then a crash)
+  TORCH_CHECK(x.scalar_type() == at::kFloat || k % 16 == 0, who, ": ATen's bfloat16 _weight_int8pack_mm needs K "
+              "a multiple of 16, got K = ", k, "; use qgemv or qtile");
+  const at::Tensor q = w.narrow(0, b.q_off, b.q_bytes).view(at::kChar).view({n, k});
+  const at::Tensor s = w.narrow(0, b.s_off, n * 4).view(at::kFloat).to(x.scalar_type());
+  at::Tensor y = at::_weight_int8pack_mm(x.contiguous(), q, s);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, who, ": the bias has ", bias->numel(), " elements, the output ", n, " columns");
+    y.add_(bias->reshape({n}).to(x.scalar_type()));
+  }
+  return y;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t provider,
                   int64_t n, int64_t k) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "numatp::linear: x must be (M, ", k, "), got ", x.sizes());
@@ -224,6 +383,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     case kGemvNK:
     case kGemvKN:
       return gemv(x, w, bias, provider == kGemvKN);
+    case kQgemv:
+      return qgemv(x, w, bias, n, k);
+    case kQtile:
+      return qtile(x, w, bias, n, k);
+    case kQ8Aten:
+      return q8_aten(x, w, bias, n, k);
     default:
       TORCH_CHECK(false, "numatp::linear: unknown provider code ", provider);
   }

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from numatp.runtime.gemm import quant
 from numatp.runtime.gemm.providers import GEMV_MAX_ROWS, PROVIDERS, GemmShape, Provider, call_into
 from numatp.runtime.gemm.table import GemmTable, is_rate, stored_rate, usable_rates
 from numatp.topology.resources import MachineFacts
@@ -63,7 +64,11 @@ def measure_all(providers: Mapping[str, Provider], shape: GemmShape, *, min_seco
     weight in one process ran at 4.2-4.8 or 10.7-11.7 GFLOP/s, copy by copy, where numatp's gemv on the
     plain weight ran at 8.2-9.1); a program reads one copy, whichever it got, so a streamed rate is the
     mean over the copies of each copy's median time: the time the program can expect, not the luckiest
-    copy's. A provider whose call raises while timed, or whose times read nothing (``clock``), reports 0.0."""
+    copy's. A provider whose call raises while timed, or whose times read nothing (``clock``), reports 0.0.
+
+    A quantized shape (:attr:`GemmShape.weights`) is run by the quantized providers only: the weight is
+    quantized once (:func:`numatp.runtime.gemm.quant.quantize`) and the ring holds copies of the buffer,
+    each provider's ``prepare`` handing it back as it is."""
     dtype = getattr(torch, shape.dtype)
     rates: dict[str, float] = {name: 0.0 for name in providers}
     g = torch.Generator().manual_seed(seed)
@@ -74,17 +79,20 @@ def measure_all(providers: Mapping[str, Provider], shape: GemmShape, *, min_seco
     if shape.stream and facts is None:
         facts = MachineFacts.detect()
     copies = streamed_copies(shape, facts)
-    ring = [w] + [w.clone() if shape.layout == "nk" else w.t().clone().t() for _ in range(copies - 1)]
-    if shape.weights:   # quantized: every quantized provider reads the same buffers (its prepare is the identity)
-        from numatp.runtime.gemm.quant import quantize
-        ring = [quantize(c, shape.weights) for c in ring]
+    if shape.weights:
+        # a quantized weight: quantized once, the buffer copied (only quantized providers run the shape)
+        qw = quant.quantize(w, shape.weights)
+        ring = [qw] + [qw.clone() for _ in range(copies - 1)]
+    else:
+        ring = [w] + [w.clone() if shape.layout == "nk" else w.t().clone().t() for _ in range(copies - 1)]
     timed: dict[str, tuple[Provider, list[torch.Tensor]]] = {}
     with torch.inference_mode():
         for name, provider in providers.items():
             if not provider.runs(shape):
                 continue
             if shape.m > 32 and not provider.compiles:
-                probe = GemmShape(32, shape.k, shape.n, shape.dtype, shape.layout, shape.threads, weights=shape.weights)
+                probe = GemmShape(32, shape.k, shape.n, shape.dtype, shape.layout, shape.threads,
+                                  weights=shape.weights)
                 rate = measure(provider, probe, min_seconds=0.0, max_calls=1, seed=seed, facts=facts, clock=clock)
                 if rate == 0.0 or shape.flops / (rate * 1e9) > max_call_seconds:
                     rates[name] = rate

@@ -20,6 +20,18 @@ answers differ), so numatp measures them (:mod:`numatp.runtime.gemm.measurement`
   it blocks and packs as a graph constant; compiling makes it slow to measure, so it runs only when
   ``GemmOptions.providers`` names it.
 
+Quantized weights (:mod:`numatp.runtime.gemm.quant`: a shape's :attr:`GemmShape.weights` names the
+format) have providers of their own, which read the quantized shard as it is stored (their operand is
+the buffer itself, shared by every such provider of a format) and never a float weight
+(:attr:`Provider.weights`, :meth:`Provider.runs`):
+
+- ``qgemv``: numatp's GEMV over int8 and int4 for up to 16 rows (``quant.cpp``): a decode step streams
+  the quantized bytes once, fp32 sums, the group's scale applied once per group;
+- ``qtile``: dequantize-per-tile GEMM for any rows: blocks of output channels dequantized into a buffer
+  in x's dtype (so for bf16 x the weight is rounded to bf16 first; exact for fp32), then ATen's GEMM;
+- ``q8_aten``: ATen's ``_weight_int8pack_mm`` on views into an int8 buffer; the scales are converted to
+  x's dtype (rounded to bf16 for bf16 x) and the bias added to its rounded output.
+
 Packed weights are opaque tensors (``layout=torch._mkldnn``, oneDNN's) or MKL's buffers (plain float32
 tensors, a header then MKL's bytes): a packed provider replaces the plain shard, and compiled segments
 call it through ``numatp::linear`` (``ops.cpp``, by its :data:`NATIVE` code; see
@@ -34,6 +46,9 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+
+from numatp.runtime.gemm import quant
+from numatp.runtime.gemm.quant import QuantFormat
 
 __all__ = ["GEMV_MAX_ROWS", "IN_PLACE", "NATIVE", "PROVIDERS", "GemmShape", "Provider", "call_into", "native_code"]
 
@@ -59,8 +74,8 @@ class GemmShape:
     weights outgrow the cache (:func:`numatp.runtime.gemm.measurement.streams`). Timed on a ring of copies
     (:func:`numatp.runtime.gemm.measurement.measure_all`)."""
     weights: str = ""
-    """The weight's quantized format (``"int8"``, ``"int4:g64"``, :mod:`numatp.runtime.gemm.quant`), read
-    by the quantized providers only; empty: the plain weight in ``dtype``."""
+    """The weight's quantized format (:class:`numatp.runtime.gemm.quant.QuantFormat`'s name: ``"int8"``,
+    ``"int4:g64"``); ``""``: the plain weight in ``dtype``. Only providers that read that format run it."""
 
     @property
     def key(self) -> str:
@@ -78,15 +93,20 @@ class GemmShape:
                    weights)
 
     @property
+    def bits(self) -> int | None:
+        """The quantized weight's bits (8 or 4), None for a plain weight."""
+        return QuantFormat.parse(self.weights).bits if self.weights else None
+
+    @property
     def flops(self) -> int:
         return 2 * self.m * self.k * self.n
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the (K, N) weight (of its quantized buffer, where quantized)."""
+        """Bytes of the (K, N) weight: the quantized buffer's (:func:`~numatp.runtime.gemm.quant.nbytes`,
+        without zeros) where :attr:`weights` names a format."""
         if self.weights:
-            from numatp.runtime.gemm.quant import nbytes
-            return nbytes(self.n, self.k, self.weights)
+            return quant.nbytes(self.n, self.k, self.weights)
         return self.k * self.n * getattr(torch, self.dtype).itemsize
 
 
@@ -115,18 +135,16 @@ class Provider:
     """Layouts whose plain weight is the operand as it is (no copy, no packing), so that this provider
     and another such one can share the weight: one for a prompt's many rows, one for a decode step's few."""
     weights: tuple[int, ...] = ()
-    """The quantized weights it reads (bits: 8, 4), as :mod:`numatp.runtime.gemm.quant` stores them; every
-    such provider reads the same buffer, its ``prepare`` is the identity. Empty: plain weights only."""
+    """The quantized weights it reads, by bits (8, 4); empty: plain float weights. A quantized provider's
+    ``prepare(buf, m)`` gets the quantized shard (:mod:`numatp.runtime.gemm.quant`'s buffer) and returns
+    it as it is: every quantized provider of a format shares that one operand."""
 
     def runs(self, shape: GemmShape) -> bool:
-        """Whether it takes ``shape``'s dtype, rows and weights (plain or quantized, and which) at all."""
-        if shape.weights:
-            from numatp.runtime.gemm.quant import QuantFormat
-            if QuantFormat.parse(shape.weights).bits not in self.weights:
-                return False
-        elif self.weights:
-            return False
-        return getattr(torch, shape.dtype) in self.dtypes and (self.max_rows is None or shape.m <= self.max_rows)
+        """Whether it takes ``shape``'s dtype, rows and weights at all (a plain provider no quantized
+        weight, a quantized one only its formats' bits)."""
+        reads = shape.bits in self.weights if shape.weights else not self.weights
+        return reads and getattr(torch, shape.dtype) in self.dtypes and \
+            (self.max_rows is None or shape.m <= self.max_rows)
 
 
 def _aten_call(x, w_nk, bias, n, k):
@@ -182,6 +200,24 @@ def _gemv_call(x, w_nk, bias, n, k):
     if w_nk.is_contiguous():
         return torch.ops.numatp.linear(x, w_nk, bias, native_code("gemv", "nk"), n, k)
     return torch.ops.numatp.linear(x, w_nk.t(), bias, native_code("gemv", "kn"), n, k)
+
+
+def _quant_prepare(buf, m):
+    # the quantized shard itself: read as stored by every quantized provider
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        what = f"{buf.dtype} {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__
+        raise ValueError(f"a quantized provider's operand is the quantized shard (a 1-D uint8 buffer of "
+                         f"numatp.runtime.gemm.quant.quantize), got {what}; quantize the weight first")
+    quant.header(buf)   # raises unless it is one
+    from numatp.runtime.native import load_ops
+    load_ops()
+    return buf
+
+
+def _quant_call(name):
+    def call(x, buf, bias, n, k):
+        return torch.ops.numatp.linear(x, buf, bias, NATIVE[name], n, k)
+    return call
 
 
 def _upcast_pack(w_nk, m, node=None):
@@ -269,14 +305,22 @@ PROVIDERS: dict[str, Provider] = {
     # makes it the costliest to measure, so GemmOptions leaves it out unless asked for
     "inductor_cpp": Provider("inductor_cpp", (torch.float32, torch.bfloat16), True, _TemplateGemm,
                              lambda x, op, bias, n, k: op(x, bias), compiles=True),
+    # quantized weights (GemmShape.weights): the quantized shard as the operand, shared by all four
+    "qgemv": Provider("qgemv", (torch.float32, torch.bfloat16), False, _quant_prepare, _quant_call("qgemv"),
+                      max_rows=GEMV_MAX_ROWS, weights=(8, 4)),
+    "qtile": Provider("qtile", (torch.float32, torch.bfloat16), False, _quant_prepare, _quant_call("qtile"),
+                      weights=(8, 4)),
+    "q8_aten": Provider("q8_aten", (torch.float32, torch.bfloat16), False, _quant_prepare, _quant_call("q8_aten"),
+                        weights=(8,)),
     # quantized weights: the whole weight dequantized to x's dtype, then ATen's matmul; the reference the
     # quantized kernels are measured against
-    "q_dequant": Provider("q_dequant", (torch.float32, torch.bfloat16), False, lambda buf, m: buf, _dequant_call,
+    "q_dequant": Provider("q_dequant", (torch.float32, torch.bfloat16), False, _quant_prepare, _dequant_call,
                           weights=(8, 4)),
 }
 
 
-NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2, "gemv": 3}
+NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2, "gemv": 3, "qgemv": 5,
+          "qtile": 6, "q8_aten": 7}
 """Providers that ``numatp::linear`` (``ops.cpp``) runs in C++, by its provider code (:func:`native_code`):
 a segment calls them without leaving compiled code. The others (``inductor_cpp``) stay a cut of the program."""
 

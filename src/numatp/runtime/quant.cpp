@@ -1,0 +1,513 @@
+// numatp's kernels over quantized weights (numatp.runtime.gemm.quant's buffer: int8 per output channel,
+// int4 in groups along K, optional float zeros per group).
+//
+//   numatp_qgemv     y (M, N) = x (M, K) @ W^T (+ b) for a decode step's few rows, reading the weight as
+//                    stored: a decode step is bound by the bytes it streams, and int8 streams half of
+//                    bf16's, int4 about a quarter. Parallel over output channels on the calling thread's
+//                    OpenMP team (as gemv.cpp; ops.cpp calls it for up to 16 rows).
+//   numatp_qdequant  channels [n0, n1) of W dequantized into an (n1 - n0, K) float32 or bfloat16 buffer
+//                    (the dequantize-per-tile GEMM of ops.cpp, which then calls ATen's GEMM on it).
+//
+// Sums are in fp32: for each output channel and group, t = sum_k x[k] * qv[k] with qv the stored integer
+// (int8: q, int4: q - 8), exact in bf16 and fp32; the group's sum is scaled once (acc += t * s[g]), the
+// zeros enter as z[g] * sum_{k in g} x[k] (the row's group sums of x, computed once per call); the bias
+// is added in fp32 and the result rounded once to x's dtype (to nearest, ties to even). Paths by the
+// CPU (the library is built with -march=native):
+//
+//   AVX512-BF16, int4 and bf16 x: _mm512_dpbf16_ps on bf16 x as it is and the weight's nibbles as the
+//        bf16 of 128 + q (exact: the nibble OR 0x4300, one vpternlogd, no table), 64 bytes (128 values)
+//        at a time; each chunk's lanes start from -136 x the sum of the x values they read (computed once
+//        per call), so that they sum x (q - 8). The cancellation costs about 5 of fp32's 24 bits of the
+//        sums (terms up to 136 |x| where the result's are up to 8 |x|): far below the bf16 output's 8,
+//        and measured 12-15% faster than looking up bf16 (q - 8) by vpermw (1 thread, 1024 x 1024 in L2).
+//        x is reordered once per call to match the bytes' order (reorder_x4);
+//   AVX-512F / AVX2+FMA / scalar: fp32 FMAs on the integers widened to fp32 (int4 through a 16-entry
+//        vpermps table on AVX-512), x in fp32 (bf16 x widened once per call, exact; fp32 x never
+//        rounded). int8 takes this path for bf16 x too: widening int8 to bf16 for dpbf16 goes through
+//        fp32 anyway (vpmovsxbd, vcvtdq2ps, then vcvtne2ps2bf16), and measured on an AVX-512/AMX Xeon
+//        (1 thread, 1024 x 1024 int8 in L2), the fp32 FMAs ran 1.4x (1 row) to 1.6x (4 rows) faster.
+//
+// No torch headers: plain pointers in and out (ops.cpp reads the buffer's header and checks the tensors).
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace quant_kernels {
+
+using u16 = std::uint16_t;
+
+inline float bf16_to_float(u16 v) {
+  const std::uint32_t u = std::uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline u16 float_to_bf16(float f) {   // to nearest, ties to even; NaN stays a (quiet) NaN
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return f != f ? u16(0x7FC0) : u16((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The weight: the buffer's sections and sizes (ops.cpp reads them from the header).
+struct QW {
+  const std::uint8_t* q;   // int8: (N, K) int8; int4: (N, K / 2) bytes, blocks of 32 (value i low, i + 16 high)
+  const float* s;          // (N, groups)
+  const float* z;          // (N, groups) or null
+  int bits;
+  std::int64_t n, k, group, groups;
+};
+
+// f(begin, end) on each thread of the caller's OpenMP team, over contiguous parts of [0, count) (as
+// gemv.cpp: OpenMP itself, so that a socket worker's thread count is the one that runs)
+template <typename F>
+void parallel(std::int64_t count, std::int64_t grain, F&& f) {
+#ifdef _OPENMP
+  const std::int64_t threads = std::min<std::int64_t>(omp_get_max_threads(), (count + grain - 1) / grain);
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+    {
+      const std::int64_t t = omp_get_thread_num(), all = omp_get_num_threads();
+      const std::int64_t begin = count * t / all, end = count * (t + 1) / all;
+      if (begin < end) f(begin, end);
+    }
+    return;
+  }
+#endif
+  f(0, count);
+}
+
+// Software prefetch (as gemv.cpp: the hardware prefetcher alone keeps too few lines in flight for one
+// core), kAheadBytes ahead of each load in the order this channel slot reads: along its row, then on into
+// its row of the next block of NR channels (NR rows down), not into the next row, which another channel
+// of the block is reading already (an int4 row of K = 1024 is 512 bytes: a fixed distance along the
+// memory prefetched little but lines already loaded, and the stream ran at 5-6 GB/s instead of 9-10).
+constexpr std::int64_t kAheadBytes = 1024;
+inline const void* along(const void* row_start, std::int64_t at, std::int64_t row, std::int64_t next) {
+  const char* p = static_cast<const char*>(row_start);
+  const std::int64_t to = at + kAheadBytes;
+  return to < row ? p + to : p + next + (to - row);
+}
+inline void ahead(const void* p) { __builtin_prefetch(p, 0, 3); }
+
+// ---- the fp32 path: vectors of fp32 ----
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vset(float v) { return _mm512_set1_ps(v); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, vf a) { _mm512_storeu_ps(p, a); }
+// kLanes int8 as fp32
+inline vf load_i8(const std::int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// a block of 32 int4 values (16 bytes) as fp32 (q - 8), in order
+inline void load_i4(const std::uint8_t* p, vf* out) {
+  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  out[0] = _mm512_permutexvar_ps(d, table);                          // vpermps reads the index's low 4 bits
+  out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vset(float v) { return _mm256_set1_ps(v); }
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf load_i8(const std::int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void load_i4(const std::uint8_t* p, vf* out) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+  const __m256i eight = _mm256_set1_epi32(8);
+  auto cvt = [&](__m128i v) { return _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(v), eight)); };
+  out[0] = cvt(lo);
+  out[1] = cvt(_mm_srli_si128(lo, 8));
+  out[2] = cvt(hi);
+  out[3] = cvt(_mm_srli_si128(hi, 8));
+}
+#else
+constexpr int kLanes = 1;
+using vf = float;
+inline vf vzero() { return 0.f; }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vset(float v) { return v; }
+inline float vsum(vf a) { return a; }
+inline vf vload(const float* p) { return *p; }
+inline void store(float* p, vf a) { *p = a; }
+inline vf load_i8(const std::int8_t* p) { return float(*p); }
+inline void load_i4(const std::uint8_t* p, vf* out) {
+  for (int i = 0; i < 16; ++i) {
+    out[i] = float(int(p[i] & 0x0F) - 8);
+    out[16 + i] = float(int(p[i] >> 4) - 8);
+  }
+}
+#endif
+
+// int8, fp32 x: res[r][j] = s[n] * sum_k x[r, k] q[n, k] for channels n0 .. n0 + NR
+template <int MR, int NR>
+void i8_f32(const QW& w, const float* x, std::int64_t n0, float (*res)[NR]) {
+  const std::int64_t k = w.k;
+  vf acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = vzero();
+  const std::int8_t* q = reinterpret_cast<const std::int8_t*>(w.q) + n0 * k;
+  std::int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    vf wv[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      if (i % 64 == 0) ahead(along(q + j * k, i, k, NR * k));
+      wv[j] = load_i8(q + j * k + i);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const vf xv = vload(x + r * k + i);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) acc[r][j] = vfma(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float t = vsum(acc[r][j]);
+      for (std::int64_t c = i; c < k; ++c) t += x[r * k + c] * float(q[j * k + c]);
+      res[r][j] = t * w.s[n0 + j];
+    }
+}
+
+// int4, fp32 x: res[r][j] = sum_g s[n, g] * sum_{k in g} x[r, k] (q[n, k] - 8) (the zeros are added later)
+template <int MR, int NR>
+void i4_f32(const QW& w, const float* x, std::int64_t n0, float (*res)[NR]) {
+  const std::int64_t k = w.k, g = w.group, row = k / 2;
+  constexpr int kBlockVecs = 32 / kLanes;
+  vf acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = vzero();
+  const std::uint8_t* q = w.q + n0 * row;
+  vf wv[128 / kLanes];   // one group of one channel (up to 128 values)
+  for (std::int64_t gi = 0; gi < w.groups; ++gi) {
+    const std::int64_t k0 = gi * g;
+    for (int j = 0; j < NR; ++j) {
+      const std::uint8_t* p = q + j * row + k0 / 2;
+      for (std::int64_t b = 0; b < g / 32; ++b) {
+        if (b % 4 == 0) ahead(along(q + j * row, k0 / 2 + 16 * b, row, NR * row));
+        load_i4(p + 16 * b, wv + b * kBlockVecs);
+      }
+      const vf sv = vset(w.s[(n0 + j) * w.groups + gi]);
+      for (int r = 0; r < MR; ++r) {
+        const float* xr = x + r * k + k0;
+        vf t = vzero();
+        for (std::int64_t v = 0; v < g / kLanes; ++v) t = vfma(vload(xr + v * kLanes), wv[v], t);
+        acc[r][j] = vfma(t, sv, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) res[r][j] = vsum(acc[r][j]);
+}
+
+// ---- the AVX512-BF16 path, bf16 x ----
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+
+// int4 in chunks of 128 values (64 bytes: four blocks of 32). With the chunk's bytes as 32 16-bit lanes,
+// the nibbles are taken out as four vectors of 32 bf16 (the low nibbles of the even bytes, of the odd
+// bytes, then the high nibbles likewise, each as bf16 128 + q); x is reordered once per call into the same order
+// (reorder_x4). A dpbf16 lane j sums values of block j / 4 only, so one chunk's four products sum into t
+// and t is scaled per lane by its block's group scale.
+inline int x4_index(int p, int i) {   // the value (0..127 in the chunk) of vector p's 16-bit lane i
+  const int byte = 2 * i + (p & 1);
+  return 32 * (byte / 16) + (p >= 2 ? 16 : 0) + byte % 16;
+}
+
+// x (M, K) bf16 -> (M, Kp) in the chunks' order, Kp = K rounded up to 128, zero past K
+void reorder_x4(const u16* x, std::int64_t m, std::int64_t k, u16* out) {
+  const std::int64_t kp = (k + 127) / 128 * 128;
+  int index[128];
+  for (int p = 0; p < 4; ++p)
+    for (int i = 0; i < 32; ++i) index[32 * p + i] = x4_index(p, i);
+  for (std::int64_t r = 0; r < m; ++r)
+    for (std::int64_t c = 0; c < kp; c += 128)
+      for (int e = 0; e < 128; ++e) {
+        const std::int64_t at = c + index[e];
+        out[r * kp + c + e] = at < k ? x[r * k + at] : u16(0);
+      }
+}
+
+template <int MR, int NR>
+void i4_bf16(const QW& w, const u16* xr, const float* corr, std::int64_t n0, float (*res)[NR]) {
+  const std::int64_t k = w.k, row = k / 2, kp = (k + 127) / 128 * 128, g = w.group;
+  // bf16 (q - 8) for q = 0..15: -8 .. 7
+  const __m512i low4 = _mm512_set1_epi16(0x000F), magic = _mm512_set1_epi16(0x4300);
+  const std::int64_t chunks = kp / 128;
+  // lane -> the chunk's group holding it: lane j sums block j / 4
+  const __m512i by_group = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
+                           : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
+                                     : _mm512_setzero_si512();
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const std::uint8_t* q = w.q + n0 * row;
+  const std::int64_t per_chunk = 128 / g;   // groups in a whole chunk
+  for (std::int64_t c = 0; c < kp; c += 128) {
+    const std::int64_t bytes = std::min<std::int64_t>(64, (k - c) / 2);
+    const __mmask64 bm = bytes == 64 ? ~__mmask64(0) : (__mmask64)((1ull << bytes) - 1);
+    const __mmask8 gm = (__mmask8)((1u << (bytes == 64 ? per_chunk : std::max<std::int64_t>(1, 2 * bytes / g))) - 1);
+    const float* sc = w.s + n0 * w.groups + c / g;
+    __m512i xv[MR][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+      for (int p = 0; p < 4; ++p) xv[r][p] = _mm512_loadu_si512(xr + r * kp + c + 32 * p);
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      const std::uint8_t* p = q + j * row + c / 2;
+      ahead(along(q + j * row, c / 2, row, NR * row));
+      const __m512i v = _mm512_maskz_loadu_epi8(bm, p);
+      // (nibble & 15) | 0x4300: bf16 of 128 + q, exact
+      const __m512i w0 = _mm512_ternarylogic_epi32(v, low4, magic, 0xEA);
+      const __m512i w1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low4, magic, 0xEA);
+      const __m512i w2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low4, magic, 0xEA);
+      const __m512i w3 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 12), low4, magic, 0xEA);
+      const __m512 sv = g == 128 ? _mm512_set1_ps(sc[j * w.groups])
+                                 : _mm512_permutexvar_ps(by_group, _mm512_castps128_ps512(
+                                                                       _mm_maskz_loadu_ps(gm, sc + j * w.groups)));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        // two chains of two: the chunk's sum waits on two dot products' latency, not four
+        __m512 t0 = _mm512_dpbf16_ps(_mm512_loadu_ps(corr + (r * chunks + c / 128) * 16), (__m512bh)xv[r][0],
+                                     (__m512bh)w0);
+        __m512 t1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)xv[r][1], (__m512bh)w1);
+        t0 = _mm512_dpbf16_ps(t0, (__m512bh)xv[r][2], (__m512bh)w2);
+        t1 = _mm512_dpbf16_ps(t1, (__m512bh)xv[r][3], (__m512bh)w3);
+        acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), sv, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) res[r][j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// What one call reads: x in the form its path takes, the group sums of x where the weight has zeros.
+struct Call {
+  const QW& w;
+  std::int64_t m;
+  bool bf16;                 // x and y are bf16 (else fp32)
+  const void* x;             // as given
+  const float* xf;           // fp32 x (the fp32 path)
+  const u16* xb;             // int4 and bf16 x: x reordered for the AVX512-BF16 path, rows of Kp (else null)
+  const float* corr;         // with xb: -136 x the sum of the x values each dpbf16 lane reads, per chunk
+  std::vector<float> sums;   // (M, groups): sum_{k in g} x[r, k], where the weight has zeros
+};
+
+constexpr int nr_for(int mr) { return mr == 1 ? 8 : 4; }
+
+// channels [n0, n0 + NR) x rows [r0, r0 + MR): fp32 sums, then zeros and bias, rounded once into y
+template <int MR, int NR>
+void block(const Call& c, std::int64_t r0, std::int64_t n0, const void* bias, void* y) {
+  const QW& w = c.w;
+  float res[MR][NR];
+  const std::int64_t kp = (w.k + 127) / 128 * 128;
+  bool done = false;
+#if defined(__AVX512BF16__)
+  if (c.xb) {   // int4, bf16 x
+    i4_bf16<MR, NR>(w, c.xb + r0 * kp, c.corr + r0 * (kp / 128) * 16, n0, res);
+    done = true;
+  }
+#endif
+  if (!done) {
+    if (w.bits == 8) i8_f32<MR, NR>(w, c.xf + r0 * w.k, n0, res);
+    else i4_f32<MR, NR>(w, c.xf + r0 * w.k, n0, res);
+  }
+  (void)kp;
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) {
+      const std::int64_t n = n0 + j;
+      float v = res[r][j];
+      if (w.z) {
+        const float* z = w.z + n * w.groups;
+        const float* xs = c.sums.data() + (r0 + r) * w.groups;
+        float zs = 0.f;
+        for (std::int64_t g = 0; g < w.groups; ++g) zs += z[g] * xs[g];
+        v += zs;
+      }
+      const std::int64_t at = (r0 + r) * w.n + n;
+      if (c.bf16) {
+        if (bias) v += bf16_to_float(static_cast<const u16*>(bias)[n]);
+        static_cast<u16*>(y)[at] = float_to_bf16(v);
+      } else {
+        if (bias) v += static_cast<const float*>(bias)[n];
+        static_cast<float*>(y)[at] = v;
+      }
+    }
+}
+
+void qgemv(const QW& w, const void* x, int x_bf16, const void* bias, void* y, std::int64_t m) {
+  Call c{w, m, x_bf16 != 0, x, nullptr, nullptr, nullptr, {}};
+  const std::int64_t k = w.k;
+  [[maybe_unused]] const std::int64_t kp = (k + 127) / 128 * 128;
+  std::vector<float> xf;
+  std::vector<u16> xb;
+  std::vector<float> corr;
+  const bool dot = kBf16Dot && c.bf16 && w.bits == 4;
+  if (c.bf16) {
+    const u16* xs = static_cast<const u16*>(x);
+    if (!dot || w.z) {
+      xf.resize(static_cast<std::size_t>(m * k));
+      for (std::int64_t i = 0; i < m * k; ++i) xf[i] = bf16_to_float(xs[i]);
+      c.xf = xf.data();
+    }
+#if defined(__AVX512BF16__)
+    if (dot) {
+      xb.resize(static_cast<std::size_t>(m * kp));
+      reorder_x4(xs, m, k, xb.data());
+      c.xb = xb.data();
+      const std::int64_t chunks = kp / 128;
+      corr.resize(static_cast<std::size_t>(m * chunks * 16));
+      for (std::int64_t r = 0; r < m; ++r)
+        for (std::int64_t ch = 0; ch < chunks; ++ch)
+          for (int l = 0; l < 16; ++l) {
+            float t = 0.f;
+            for (int p = 0; p < 4; ++p)
+              for (int e = 0; e < 2; ++e) t += bf16_to_float(xb[r * kp + ch * 128 + 32 * p + 2 * l + e]);
+            corr[(r * chunks + ch) * 16 + l] = -136.f * t;
+          }
+      c.corr = corr.data();
+    }
+#endif
+  } else {
+    c.xf = static_cast<const float*>(x);
+  }
+  if (w.z) {
+    c.sums.assign(static_cast<std::size_t>(m * w.groups), 0.f);
+    for (std::int64_t r = 0; r < m; ++r)
+      for (std::int64_t g = 0; g < w.groups; ++g) {
+        float t = 0.f;
+        for (std::int64_t i = g * w.group; i < (g + 1) * w.group; ++i) t += c.xf[r * k + i];
+        c.sums[r * w.groups + g] = t;
+      }
+  }
+  // each thread a contiguous range of channel blocks; each block's rows in passes of up to 4, the block's
+  // weight read from memory once and from cache by the passes after the first
+  const std::int64_t span = 8;   // the ranges are cut in spans of 8 channels (a multiple of every NR)
+  const std::int64_t blocks = (w.n + span - 1) / span;
+  parallel(blocks, 8, [&](std::int64_t s0, std::int64_t s1) {
+    for (std::int64_t s = s0; s < s1; ++s) {
+      const std::int64_t c0 = s * span, c1 = std::min(w.n, c0 + span);
+      for (std::int64_t r0 = 0; r0 < m; r0 += 4) {
+        const int mr = static_cast<int>(std::min<std::int64_t>(4, m - r0));
+        // channel blocks within [c0, c1): rows<MR> takes blocks of nr_for(MR) channels
+        auto run = [&](auto mr_c) {
+          constexpr int MR = decltype(mr_c)::value;
+          constexpr int nr = nr_for(MR);
+          std::int64_t n = c0;
+          for (; n + nr <= c1; n += nr) block<MR, nr>(c, r0, n, bias, y);
+          for (; n < c1; ++n) block<MR, 1>(c, r0, n, bias, y);
+        };
+        switch (mr) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: run(std::integral_constant<int, 4>{}); break;
+        }
+      }
+    }
+  });
+}
+
+// channels [n0, n1) dequantized into out ((n1 - n0, K), fp32 or bf16): w = qv * s (+ z) in fp32 (the
+// reference's arithmetic: a product then a sum, two roundings), then rounded to bf16 where asked.
+// 32 values at a time into a row of fp32 (L1), then stored or rounded.
+inline void put_row(const float* src, std::int64_t k, void* out, std::int64_t row, int to_bf16) {
+  if (!to_bf16) {
+    std::memcpy(static_cast<float*>(out) + row * k, src, static_cast<std::size_t>(k) * sizeof(float));
+    return;
+  }
+  u16* o = static_cast<u16*>(out) + row * k;
+  std::int64_t c = 0;
+#if defined(__AVX512BF16__)
+  for (; c + 32 <= k; c += 32)
+    _mm512_storeu_si512(o + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16), _mm512_loadu_ps(src + c)));
+#endif
+  for (; c < k; ++c) o[c] = float_to_bf16(src[c]);
+}
+
+void dequant(const QW& w, std::int64_t n0, std::int64_t n1, void* out, int to_bf16) {
+  const std::int64_t k = w.k;
+  parallel(n1 - n0, 16, [&](std::int64_t a, std::int64_t b) {
+    std::vector<float> tmp(static_cast<std::size_t>(k) + 32);
+    float* dst = tmp.data();
+    for (std::int64_t i = a; i < b; ++i) {
+      const std::int64_t n = n0 + i;
+      if (w.bits == 8) {
+        const std::int8_t* q = reinterpret_cast<const std::int8_t*>(w.q) + n * k;
+        const float s = w.s[n];
+        const vf sv = vset(s);
+        std::int64_t c = 0;
+        for (; c + kLanes <= k; c += kLanes) store(dst + c, load_i8(q + c) * sv);
+        for (; c < k; ++c) dst[c] = float(q[c]) * s;
+      } else {
+        const std::uint8_t* q = w.q + n * (k / 2);
+        for (std::int64_t g = 0; g < w.groups; ++g) {
+          const vf sv = vset(w.s[n * w.groups + g]);
+          const vf zv = vset(w.z ? w.z[n * w.groups + g] : 0.f);
+          for (std::int64_t c = g * w.group; c < (g + 1) * w.group; c += 32) {
+            vf v[32 / kLanes];
+            load_i4(q + c / 2, v);   // (q - 8) in order
+            for (int e = 0; e < 32 / kLanes; ++e) {
+              vf t = v[e] * sv;
+              if (w.z) t = t + zv;
+              store(dst + c + e * kLanes, t);
+            }
+          }
+        }
+      }
+      put_row(dst, k, out, i, to_bf16);
+    }
+  });
+}
+
+}  // namespace quant_kernels
+
+extern "C" {
+
+// y (M, N) = x (M, K) @ W^T (+ bias), x/bias/y fp32 (x_bf16 = 0) or bf16 (1), all contiguous; bias may be
+// null. q, s, z: the buffer's sections (z null: no zeros); group: K for int8.
+void numatp_qgemv(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n, std::int64_t k,
+                  std::int64_t group, const void* x, int x_bf16, const void* bias, void* y, std::int64_t m) {
+  const quant_kernels::QW w{q, s, z, bits, n, k, group, k / group};
+  quant_kernels::qgemv(w, x, x_bf16, bias, y, m);
+}
+
+// channels [n0, n1) of W into out, (n1 - n0, K) fp32 (to_bf16 = 0) or bf16 (1), contiguous
+void numatp_qdequant(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n,
+                     std::int64_t k, std::int64_t group, std::int64_t n0, std::int64_t n1, void* out, int to_bf16) {
+  const quant_kernels::QW w{q, s, z, bits, n, k, group, k / group};
+  quant_kernels::dequant(w, n0, n1, out, to_bf16);
+}
+
+}  // extern "C"

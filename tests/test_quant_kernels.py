@@ -1,0 +1,219 @@
+"""Quantized weights: the buffer format (quant.py) and the kernels that read it (quant.cpp through
+``numatp::linear``'s qgemv, qtile and q8_aten codes), each against ``x @ dequantize(buf).T + b``.
+
+fp32 activations must match the fp32 reference to fp32 summation rounding; bf16 ones within bf16 rounding
+(qtile rounds the dequantized weight to bf16 first, q8_aten the scales, and adds the bias after rounding).
+The AVX2 and scalar fallbacks are compiled apart (the library itself is built for this CPU) and checked
+the same way through ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from numatp.runtime.gemm import NATIVE, PROVIDERS, GemmShape, measure_all, quant
+from numatp.runtime.gemm.quant import QuantFormat
+from numatp.runtime.native import _HERE, compiler, load_ops
+
+FORMATS = ["int8", "int4:g32", "int4:g64", "int4:g128", "int4:g32+zeros"]
+# K per format: int8 with a tail past the vectors; int4 with a partial last chunk of 128 where the group allows
+K_OF = {"int8": 296, "int4:g32": 352, "int4:g64": 320, "int4:g128": 384, "int4:g32+zeros": 352}
+
+
+def _buffer(fmt: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    if fmt.endswith("+zeros"):   # torchao-style asymmetric values: random q, scales and float zeros
+        f = QuantFormat.parse(fmt.removesuffix("+zeros"))
+        groups = f.groups(k)
+        q = torch.randint(0, 16, (n, k), generator=gen)
+        return quant.from_values(q, torch.rand(n, groups, generator=gen) * 0.1 + 0.01,
+                                 torch.randn(n, groups, generator=gen) * 0.1, f)
+    return quant.quantize(torch.randn(n, k, generator=gen), fmt)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
+    w = quant.dequantize(buf)
+    xf = x.float()
+    ref = xf @ w.T + (bias.float() if bias is not None else 0)
+    mag = xf.abs() @ w.abs().T + (bias.float().abs() if bias is not None else 0)
+    k = x.shape[1]
+    # fp32: summation rounding (K terms); bf16: rounded weights/scales/output, a few bf16 ulps of the magnitude
+    tol = mag * (2 * k * torch.finfo(torch.float32).eps if x.dtype == torch.float32 else 2.0 ** -7)
+    err = (y.float() - ref).abs()
+    assert y.dtype == x.dtype and y.shape == ref.shape, f"{what}: {y.dtype} {tuple(y.shape)}"
+    assert bool((err <= tol + 1e-30).all()), \
+        f"{what}: max error {err.max().item():.3g}, worst error/tolerance {(err / (tol + 1e-30)).max().item():.3g}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("fmt", ["int8", "int4:g32", "int4:g64", "int4:g128"])
+def test_format_round_trip(fmt):
+    gen = torch.Generator().manual_seed(0)
+    n, k = 24, 256
+    w = torch.randn(n, k, generator=gen)
+    v = quant.quantize_values(w, fmt)
+    buf = quant.from_values(v.q, v.scales, v.zeros, fmt)
+    assert buf.numel() == quant.nbytes(n, k, fmt) and buf.numel() % 64 == 0
+    h = quant.header(buf)
+    f = QuantFormat.parse(fmt)
+    assert (h["bits"], h["n"], h["k"], h["group"], h["zeros"]) == (f.bits, n, k, f.group or k, 0)
+    back = quant.unpack(buf)
+    assert torch.equal(back.q, v.q) and torch.equal(back.scales, v.scales.reshape(n, -1))
+    # the quantizer's error: half a step of the scale (int8); int4 maps the largest magnitude to -8 steps,
+    # so the other side's end clamps at 7 steps: a whole step there
+    step = back.scales.repeat_interleave(k // back.scales.shape[1], dim=1).abs()
+    most = 0.5 if f.bits == 8 else 1.0
+    assert bool(((quant.dequantize(buf) - w).abs() <= step * most * (1 + 1e-5)).all())
+    # a transposed view quantizes the same values
+    assert torch.equal(quant.quantize(w.t().contiguous().t(), fmt), buf)
+
+
+@pytest.mark.unit
+def test_int4_packing_order_and_zeros():
+    n, k = 2, 64
+    q = torch.arange(n * k).reshape(n, k) % 16
+    s = torch.full((n, 2), 0.5)
+    z = torch.tensor([[1.0, -1.0], [0.25, 0.0]])
+    buf = quant.from_values(q, s, z, "int4:g32")
+    packed, s_view, z_view = quant.views(buf)
+    # block of 32 values: byte i holds value i (low nibble) and value i + 16 (high nibble)
+    assert int(packed[0, 3]) == int(q[0, 3]) | (int(q[0, 19]) << 4)
+    assert int(packed[1, 16 + 5]) == int(q[1, 32 + 5]) | (int(q[1, 32 + 21]) << 4)
+    assert torch.equal(z_view, z) and torch.equal(s_view, s)
+    want = (q.float() - 8) * 0.5 + z.repeat_interleave(32, dim=1)
+    assert torch.equal(quant.dequantize(buf), want)
+
+
+@pytest.mark.unit
+def test_format_errors():
+    with pytest.raises(ValueError, match="int4:g32"):
+        quant.quantize(torch.randn(4, 96), "int4:g64")   # 96 is no multiple of 64; 32 fits
+    with pytest.raises(ValueError, match="'int8'"):
+        QuantFormat.parse("int3")
+    with pytest.raises(ValueError, match="bad magic"):
+        quant.header(torch.zeros(256, dtype=torch.uint8))
+
+
+@pytest.mark.integration   # prepare loads numatp's library (compiled on first use)
+def test_shape_and_provider_fields():
+    s = GemmShape(1, 1024, 4096, "bfloat16", "nk", 2, stream=True, weights="int4:g64")
+    assert s.key.endswith("|stream|w=int4:g64") and GemmShape.from_key(s.key) == s
+    assert GemmShape.from_key(GemmShape(4, 8, 8, "float32", "kn", 1).key).weights == ""
+    assert s.weight_bytes == quant.nbytes(4096, 1024, "int4:g64") and s.bits == 4
+    plain = GemmShape(1, 1024, 4096, "bfloat16", "nk", 2)
+    q8 = GemmShape(1, 1024, 4096, "bfloat16", "nk", 2, weights="int8")
+    assert PROVIDERS["qgemv"].runs(s) and PROVIDERS["qgemv"].runs(q8) and not PROVIDERS["qgemv"].runs(plain)
+    assert PROVIDERS["q8_aten"].runs(q8) and not PROVIDERS["q8_aten"].runs(s)
+    assert not PROVIDERS["gemv"].runs(q8) and not PROVIDERS["aten"].runs(s) and PROVIDERS["gemv"].runs(plain)
+    assert not PROVIDERS["qgemv"].runs(GemmShape(17, 64, 64, "float32", "nk", 1, weights="int8"))
+    assert PROVIDERS["qtile"].runs(GemmShape(512, 64, 64, "float32", "nk", 1, weights="int4:g32"))
+    assert {NATIVE[p] for p in ("qgemv", "qtile", "q8_aten")} == {5, 6, 7}
+    buf = quant.quantize(torch.randn(8, 64), "int8")
+    assert all(PROVIDERS[p].prepare(buf, 4) is buf for p in ("qgemv", "qtile", "q8_aten"))
+    with pytest.raises(ValueError, match="quantize the weight first"):
+        PROVIDERS["qgemv"].prepare(torch.randn(8, 64), 4)
+
+
+PROVIDER_FORMATS = [(p, f) for p in ("qgemv", "qtile", "q8_aten") for f in FORMATS if p != "q8_aten" or f == "int8"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("provider,fmt", PROVIDER_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_equal_dequantized_reference(provider, fmt, dtype):
+    load_ops()
+    gen = torch.Generator().manual_seed(1)
+    # ATen's bf16 int8pack kernel needs K % 16 == 0 (numatp's check refuses others)
+    k = 304 if provider == "q8_aten" else K_OF[fmt]
+    p = PROVIDERS[provider]
+    for n in (72, 200):
+        buf = _buffer(fmt, n, k, gen)
+        for m in (1, 3, 16, 40):
+            if p.max_rows is not None and m > p.max_rows:
+                continue
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            for bias in (None, torch.randn(n, generator=gen).to(dtype)):
+                y = p.call(x, buf, bias, n, k)
+                _check(y, x, buf, bias, f"{provider} {fmt} {dtype} m={m} n={n} bias={bias is not None}")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("provider", ["qgemv", "qtile"])
+def test_kernels_on_two_threads(provider):
+    load_ops()
+    gen = torch.Generator().manual_seed(2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for fmt in ("int8", "int4:g64"):
+            buf = _buffer(fmt, 328, 256, gen)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(5, 256, generator=gen).to(dtype)
+                _check(PROVIDERS[provider].call(x, buf, None, 328, 256), x, buf, None, f"{provider} {fmt} {dtype}")
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.integration
+def test_kernel_errors():
+    load_ops()
+    buf = quant.quantize(torch.randn(8, 64), "int4:g32")
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match=r"is \(N, K\) = \(8, 64\), the call asks for \(16, 64\)"):
+        torch.ops.numatp.linear(x, buf, None, NATIVE["qgemv"], 16, 64)
+    with pytest.raises(RuntimeError, match="not a 4-bit weight|reads int8 weights"):
+        torch.ops.numatp.linear(x, buf, None, NATIVE["q8_aten"], 8, 64)
+    with pytest.raises(RuntimeError, match="up to 16 rows"):
+        torch.ops.numatp.linear(torch.randn(17, 64), buf, None, NATIVE["qgemv"], 8, 64)
+    with pytest.raises(RuntimeError, match="not a numatp quantized buffer"):
+        torch.ops.numatp.linear(x, torch.zeros(buf.numel(), dtype=torch.uint8), None, NATIVE["qtile"], 8, 64)
+    with pytest.raises(RuntimeError, match="quantized buffer"):
+        torch.ops.numatp.linear(x, torch.randn(8, 64), None, NATIVE["qgemv"], 8, 64)
+
+
+@pytest.mark.integration
+def test_measure_all_times_quantized_providers():
+    shape = GemmShape(2, 128, 64, "float32", "nk", 1, weights="int8")
+    rates = measure_all({p: PROVIDERS[p] for p in ("qgemv", "qtile", "q8_aten", "gemv")}, shape,
+                        min_seconds=0.0, max_calls=2)
+    assert rates["gemv"] == 0.0 and all(rates[p] > 0 for p in ("qgemv", "qtile", "q8_aten"))
+
+
+def _fallback_library(tmp: Path, flags: list[str]) -> ctypes.CDLL:
+    out = tmp / f"quant{abs(hash(tuple(flags)))}.so"
+    subprocess.run([compiler(), "-O2", "-march=native", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c++20",
+                    str(_HERE / "quant.cpp"), "-o", str(out)], check=True, capture_output=True)
+    return ctypes.CDLL(str(out))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_fallback_paths(tmp_path, isa):
+    flags = ["-mno-avx512f"] + (["-mno-avx2", "-mno-fma"] if isa == "scalar" else [])
+    lib = _fallback_library(tmp_path, flags)
+    ptr = ctypes.c_void_p
+    i64 = ctypes.c_int64
+    lib.numatp_qgemv.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64]
+    lib.numatp_qdequant.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
+    gen = torch.Generator().manual_seed(3)
+    for fmt in FORMATS:
+        n, k = 40, K_OF[fmt]
+        buf = _buffer(fmt, n, k, gen)
+        h = quant.header(buf)
+        base = buf.data_ptr()
+        sections = (base + h["q_off"], base + h["s_off"], base + h["z_off"] if h["zeros"] else None)
+        for dtype in (torch.float32, torch.bfloat16):
+            for m in (1, 5):
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                b = torch.randn(n, generator=gen).to(dtype)
+                y = torch.empty(m, n, dtype=dtype)
+                lib.numatp_qgemv(*sections, h["bits"], n, k, h["group"], x.data_ptr(), int(dtype == torch.bfloat16),
+                                 b.data_ptr(), y.data_ptr(), m)
+                _check(y, x, buf, b, f"{isa} qgemv {fmt} {dtype} m={m}")
+            wd = torch.empty(n - 3, k, dtype=dtype)
+            lib.numatp_qdequant(*sections, h["bits"], n, k, h["group"], 3, n, wd.data_ptr(),
+                                int(dtype == torch.bfloat16))
+            assert torch.equal(wd, quant.dequantize(buf)[3:].to(dtype)), f"{isa} dequantize {fmt} {dtype}"
