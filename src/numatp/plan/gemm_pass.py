@@ -303,7 +303,7 @@ class GemmSelector:
         providers = self._quant_providers()
         wanted = [[s.shape for _, ss in rank.values() for s in ss] for rank in quantized]
         if not self.options.force:
-            self._measure_shapes(group, wanted, providers, "q_dequant")
+            self._measure_shapes(group, wanted, providers, None)
         for rank, choice in zip(quantized, self.choices):
             for ph, (fmt, group_sites) in rank.items():
                 s0 = group_sites[0].shape
@@ -402,14 +402,20 @@ class GemmSelector:
         self._measure_shapes(group, wanted, providers, "aten")
 
     def _measure_shapes(self, group: Any, wanted: list[list[GemmShape]], providers: list[str],
-                        baseline: str) -> None:
+                        baseline: str | None) -> None:
         """Time on the socket workers (each socket its own ``wanted`` shapes, all at once) the providers
         the table lacks where it has no usable rate of ``baseline`` (the provider every choice is
-        compared with: a provider that cannot run here is not timed again at every compile), or every
-        shape once with ``GemmOptions.remeasure``; the rates join the table."""
+        compared with: a provider that cannot run here is not timed again at every compile; None: where
+        any provider that takes the shape has none), or every shape once with ``GemmOptions.remeasure``;
+        the rates join the table."""
         facts = self.facts or MachineFacts.detect()
         again = {s for w in wanted for s in w} - self._timed if self.options.remeasure else set()
-        if not again and all(baseline in (self.table.get(s) or {}) for w in wanted for s in w):
+        if baseline:
+            known = all(baseline in (self.table.get(s) or {}) for w in wanted for s in w)
+        else:   # every provider that takes the shape (one that cannot run here is timed again: it fails fast)
+            known = all(all(p in (self.table.get(s) or {}) for p in providers if PROVIDERS[p].runs(s))
+                        for w in wanted for s in w)
+        if not again and known:
             return
         # every socket measures its own shapes at the same time, so each rate is taken under the load
         # of the other sockets, as in a real call
