@@ -201,6 +201,62 @@ def test_compiles_of_one_model_class_do_not_use_up_each_others_recompile_limit()
     assert torch.equal(got, model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
 
 
+
+def test_each_numatp_compile_counts_its_own_entries_up_to_its_own_limit():
+    from numatp.backend.entry import RECOMPILE_LIMIT
+
+    model = zoo.build("gpt2", tiny=True)
+    fast = numatp.compile(model, sockets=2, mode="eager", gemm=False)
+    convert = fast.dynamo_ctx.callback._torchdynamo_orig_backend   # Dynamo's frame converter of this compile
+    assert convert._recompile_limit == RECOMPILE_LIMIT > torch._dynamo.config.recompile_limit
+    assert fast.dynamo_ctx._isolate_recompiles_id >= 0
+    with torch._dynamo.config.patch(recompile_limit=100):   # a user's higher global limit is kept
+        higher = numatp.compile(model, sockets=2, mode="eager", gemm=False)
+    assert higher.dynamo_ctx.callback._torchdynamo_orig_backend._recompile_limit == 100
+
+
+@pytest.mark.slow
+def test_one_compiled_model_generates_more_shapes_than_dynamos_default_limit():
+    # every prompt bucket and cache length is a Dynamo entry: six generations of a server's mix of prompt
+    # and output lengths make 9, past Dynamo's default of 8; numatp.compile allows its own RECOMPILE_LIMIT
+    from numatp.backend.entry import RECOMPILE_LIMIT
+
+    assert torch._dynamo.config.recompile_limit == 8 and RECOMPILE_LIMIT > 9
+    torch.manual_seed(0)
+    model = zoo.build("gpt2", tiny=True)
+    fast = numatp.compile(model, sockets=2, mode="eager", gemm=False)
+    for length, new in ((5, 4), (40, 4), (70, 4), (100, 4), (5, 70), (40, 70)):
+        ids = torch.randint(5, 500, (1, length), generator=torch.Generator().manual_seed(length))
+        got = fast.generate(ids, max_new_tokens=new, pad_token_id=0)
+        assert torch.equal(got, model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0))
+    assert sum(len(g.variants) for g in backend_of(fast).graphs) == 9
+
+
+@pytest.mark.slow
+def test_distinct_models_of_one_class_and_other_compiles_of_one_model_each_generate():
+    # the two cases, on tiny models: six distinct Llamas of one class compiled and generating in one
+    # process, all kept; one GPT-2 under torch.compile with numatp's static-cache loop, then numatp at 1
+    # and at 2 sockets (each a prompt and a decode entry on the same code objects)
+    from numatp.generate import generate_timed
+    from tests.test_families import _model
+
+    ids = torch.randint(5, 200, (1, 8), generator=torch.Generator().manual_seed(1))
+    kept = []
+    for _ in range(6):
+        model = _model("llama")
+        fast = numatp.compile(model, sockets=2, mode="eager", gemm=False)
+        kept.append(fast)
+        got = fast.generate(ids, max_new_tokens=3, pad_token_id=0)
+        assert torch.equal(got, model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
+    torch.manual_seed(0)
+    gpt2 = zoo.build("gpt2", tiny=True)
+    expected = gpt2.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    for compiled in (torch.compile(gpt2, backend="eager"), numatp.compile(gpt2, sockets=1, mode="eager", gemm=False),
+                     numatp.compile(gpt2, sockets=2, mode="eager", gemm=False)):
+        for _ in range(2):
+            assert torch.equal(generate_timed(compiled, ids, max_new_tokens=3, pad_token_id=0).sequences, expected)
+
+
 @pytest.mark.slow
 def test_readme_use_block_runs_top_to_bottom_in_one_process():
     # the README's Use block on a tiny GPT-2 (random weights, 2 layers), Inductor and measured GEMM

@@ -265,13 +265,15 @@ def test_guards_keep_running_where_the_third_forward_compiled():
     assert skip._context is None
 
 
-def test_prompts_of_one_bucket_share_a_program_and_a_forward_past_dynamos_limit_is_an_error():
+def test_prompts_of_one_bucket_share_a_program_and_a_forward_past_dynamos_limit_is_an_error(monkeypatch):
     # prompts are left-padded to a multiple of prompt_bucket (the padding is not returned); where Dynamo
     # stops compiling (its recompile limit) and runs the model eagerly, generate says so instead of
     # reading stale per-socket caches
     fresh_dynamo()
     model = _tiny("gpt2")
-    fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    monkeypatch.setattr(importlib.import_module("numatp.backend.entry"), "RECOMPILE_LIMIT", 2)
+    with torch._dynamo.config.patch(recompile_limit=2):   # this compile's limit: 2 entries
+        fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
     backend = backend_of(fast)
     for length in (5, 9, 13):
         ids, mask = _prompt(model, batch=1, length=length)
@@ -280,9 +282,8 @@ def test_prompts_of_one_bucket_share_a_program_and_a_forward_past_dynamos_limit_
         assert torch.equal(got, expected)
     assert sum(len(g.variants) for g in backend.graphs) == 2   # one prompt program (32), one decode program
     ids, mask = _prompt(model, batch=1, length=5)
-    with torch._dynamo.config.patch(recompile_limit=2):
-        with pytest.raises(RuntimeError, match=r"the prompt \(5 tokens\).*ran without numatp.*recompile_limit"):
-            fast.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                          prompt_bucket=1)
+    with pytest.raises(RuntimeError, match=r"the prompt \(5 tokens\).*ran without numatp.*RECOMPILE_LIMIT"):
+        fast.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                      prompt_bucket=1)
     with pytest.raises(ValueError, match="prompt_bucket=0"):
         fast.generate(ids, prompt_bucket=0)

@@ -84,9 +84,10 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     (default: the padded prompt + new tokens, rounded up to a multiple of 64). Options not listed here
     are refused by name.
 
-    Each prompt bucket and cache length is a shape of its own for Dynamo, which stops compiling a model
-    after ``torch._dynamo.config.recompile_limit`` of them and runs it eagerly; with numatp that would
-    read stale per-socket caches, so a forward that did not reach numatp is an error that says so.
+    Each prompt bucket, batch and cache length is a shape of its own for Dynamo, which stops compiling a
+    model after a limit (:func:`numatp.compile` sets its own, ``numatp.backend.entry.RECOMPILE_LIMIT``) and
+    runs it eagerly; with numatp that would read stale per-socket caches, so a forward that did not reach
+    numatp is an error that says so.
     """
     if unknown:
         raise TypeError(f"numatp generate does not take {sorted(unknown)}; it takes max_new_tokens, do_sample, "
@@ -243,15 +244,20 @@ def _backend(compiled: Any) -> Any:
 def _not_through_numatp(step: int, prompt: int, padded: int, length: int) -> str:
     import torch._dynamo
 
+    from numatp.backend.entry import RECOMPILE_LIMIT
+
     tokens = f"{prompt} tokens" + (f", padded to {padded}" if padded > prompt else "")
     what = f"the prompt ({tokens})" if step == 0 else f"decode step {step}"
-    limit = getattr(torch._dynamo.config, "recompile_limit", None)
+    config = torch._dynamo.config
+    own = max(RECOMPILE_LIMIT, config.recompile_limit)
     return (f"numatp generate: {what}, with a cache of {length} positions, ran without numatp: Dynamo ran the "
-            "model eagerly, which would read stale per-socket caches. Dynamo compiles a model for at most "
-            f"torch._dynamo.config.recompile_limit ({limit}) shapes (per numatp.compile; shared by every "
-            "torch.compile of the model's class unless given isolate_recompiles=True), and every prompt "
-            "bucket and cache length is one: pass the same max_cache_len to every generate, a larger "
-            "prompt_bucket, or raise torch._dynamo.config.recompile_limit")
+            "model eagerly, which would read stale per-socket caches. Dynamo compiles a model for a limited "
+            f"number of input shapes: {own} per numatp.compile (numatp.backend.entry.RECOMPILE_LIMIT, or "
+            f"torch._dynamo.config.recompile_limit where higher), {config.recompile_limit} for "
+            "torch.compile(..., backend='numatp') unless given isolate_recompiles=True and recompile_limit=, "
+            f"and {config.accumulated_recompile_limit} compiles of one function per process "
+            "(torch._dynamo.config.accumulated_recompile_limit); every prompt bucket, batch and cache length "
+            "is one: pass the same max_cache_len to every generate, a larger prompt_bucket, or raise the limit")
 
 
 class _GuardSkip:

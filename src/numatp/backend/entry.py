@@ -29,8 +29,8 @@ from numatp.plan.schema import Plan
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology
 
-__all__ = ["BackendOptionError", "CompiledModel", "backend_of", "compile", "compiled_by_numatp", "numatp_backend",
-           "placement_report", "plans"]
+__all__ = ["RECOMPILE_LIMIT", "BackendOptionError", "CompiledModel", "backend_of", "compile", "compiled_by_numatp",
+           "numatp_backend", "placement_report", "plans"]
 
 log = logging.getLogger("numatp")
 
@@ -77,9 +77,11 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     and by default every ``torch.compile`` of one model class shares them: a few compiles of one model in
     a process would use up the limit and leave a later one (a generation's decode step) running eagerly.
     Each ``numatp.compile`` therefore counts its own entries (``torch.compile(...,
-    isolate_recompiles=True)``, torch 2.13 on): up to the limit per compiled model, whatever else was
-    compiled. ``torch.compile(model, backend="numatp")`` shares the limit unless given
-    ``isolate_recompiles=True`` itself.
+    isolate_recompiles=True)``, torch 2.13 on), whatever else was compiled, and may make up to
+    :data:`RECOMPILE_LIMIT` of them (``recompile_limit=``, or the global limit where that is higher): every
+    input shape is one entry (each prompt bucket, batch and cache length of :func:`numatp.generate`, which a
+    server meets by the dozen), and numatp runs each as built. ``torch.compile(model, backend="numatp")``
+    shares the global limit unless given ``isolate_recompiles=True`` and ``recompile_limit=`` itself.
     """
     if unknown:
         raise TypeError(f"numatp.compile() got unknown keyword argument(s) {unknown_names(sorted(unknown))}; "
@@ -97,8 +99,9 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
         backend.import_quantized({id(params[n]): (n, v) for n, v in imported.items()})
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an
     # attribute on the result would land on ``model`` itself, and on every later compile of it
-    # isolate_recompiles is a keyword of torch.compile's implementation that its overloads do not list
-    compiled = torch.compile(model, backend=backend, dynamic=False, **_ISOLATED)  # type: ignore[call-overload]
+    # isolate_recompiles and recompile_limit are keywords of torch.compile's implementation that its
+    # overloads do not list
+    compiled: Any = torch.compile(model, backend=backend, dynamic=False, **_isolated())
     if type(compiled) is OptimizedModule:
         compiled.__class__ = CompiledModel
     return compiled
@@ -119,9 +122,23 @@ def _dequantize_torchao(model: torch.nn.Module) -> dict[str, Any]:
     return imported
 
 
-# this compile's own count of Dynamo's compiled entries (see compile's docstring), where torch has it
-_ISOLATED = ({"isolate_recompiles": True}
-             if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
+RECOMPILE_LIMIT = 64
+"""Dynamo entries (input shapes) one ``numatp.compile`` may make, where torch takes a per-compile
+``recompile_limit`` (2.13 on): Dynamo's default of 8 is meant to catch a model that recompiles by
+mistake, while a model that generates compiles a prompt program per bucket and a decode program per
+cache length and batch, each a program numatp runs. The global limit stays as it is for other compiles."""
+
+
+def _isolated() -> dict[str, Any]:
+    """This compile's own count of Dynamo's compiled entries and its own limit (see compile's docstring),
+    where torch has them."""
+    params = inspect.signature(torch.compile).parameters
+    out: dict[str, Any] = {}
+    if "isolate_recompiles" in params:
+        out["isolate_recompiles"] = True
+        if "recompile_limit" in params:
+            out["recompile_limit"] = max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+    return out
 
 
 class CompiledModel(OptimizedModule):
