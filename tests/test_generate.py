@@ -226,23 +226,24 @@ def test_generate_refuses_what_it_cannot_do():
 def test_decode_steps_skip_dynamos_guards_after_a_step_that_compiled_nothing(monkeypatch):
     # from the fourth forward on, only the guards that tell the prompt from the decode step run; the
     # tokens stay eager's, and the caller's stance is back after the generation
-    from torch._dynamo.eval_frame import _stance
-
     fresh_dynamo()
     model = _tiny("gpt2")
     ids, mask = _prompt(model)
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    from torch._dynamo import eval_frame
+
     entered = []
-    real = torch.compiler.set_stance
-    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: entered.append((a, k)) or real(*a, **k))
+    real = eval_frame._set_stance
+    monkeypatch.setattr(eval_frame, "_set_stance",
+                        lambda st: entered.append((st.stance, st.skip_guard_eval_unsafe)) or real(st))
     got = fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(got, expected)
-    assert entered == [(("default",), {"skip_guard_eval_unsafe": True})]
-    assert (_stance.stance, _stance.skip_guard_eval_unsafe) == ("default", False)
+    assert entered == [("default", True), ("default", False)]   # on from the fourth forward, then back
+    assert (eval_frame._stance.stance, eval_frame._stance.skip_guard_eval_unsafe) == ("default", False)
     # a caller's own stance is left alone
-    entered.clear()
-    with real("eager_on_recompile"):
+    with torch.compiler.set_stance("eager_on_recompile"):
+        entered.clear()
         again = fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(again, expected) and entered == []
 

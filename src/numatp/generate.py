@@ -17,13 +17,20 @@ layer counts its length in a Python integer that would compile a new program at 
 
 Only the last position's logits are computed (``logits_to_keep=1``): the column-parallel LM head
 gathers one row per sequence.
+
+Interrupts. An interrupt (KeyboardInterrupt, or any exception raised in the loop) leaves the model
+ready for the next call wherever it lands: the socket workers of a forward it cut short are stopped at
+their next collective and waited for, Dynamo's stance is restored, and the next generation resets the
+caches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -271,25 +278,59 @@ class _GuardSkip:
     left the guarded state as it found it, the next steps would pass them too; only the guards that tell
     the compiled entries apart (the prompt from the decode step) still run. Where the third forward
     compiled, the model changes what Dynamo guards from step to step (a Python counter, say), and every
-    guard keeps running. Left alone where the caller set a stance of their own."""
+    guard keeps running. Left alone where the caller set a stance of their own.
+
+    The stance is one for the whole process: guards are skipped only while one generation is in progress
+    (another starting, on any thread, puts every guard back for both), and the stance numatp set is
+    recorded before it is set, so that leaving the block, or the next generation's start where an
+    interrupt cut the leaving short, always puts the caller's stance back.
+    """
 
     _SKIP_FROM = 3
+    _lock = threading.Lock()
+    _live: weakref.WeakSet[_GuardSkip] = weakref.WeakSet()   # generations in progress in this process
+    _ours: tuple[Any, Any, Any] | None = None   # (the stance numatp set, the one before, its generation)
 
     def __init__(self) -> None:
-        self._context: Any = None
         self._frames: int | None = None
+        self._usable = False
         try:
-            from torch._dynamo.eval_frame import _stance
+            from torch._dynamo import eval_frame
             from torch._dynamo.utils import counters
         except ImportError:
-            self._usable = False
+            self._eval_frame = None
             return
+        self._eval_frame = eval_frame
         self._counters = counters
-        self._usable = getattr(_stance, "stance", None) == "default" and not getattr(
-            _stance, "skip_guard_eval_unsafe", True)
+
+    @property
+    def _context(self) -> Any:
+        """The stance this generation set, while it is set (None otherwise)."""
+        ours = _GuardSkip._ours
+        return ours[0] if ours is not None and ours[2] is self else None
 
     def _compiled(self) -> int:
         return self._counters["frames"]["ok"]
+
+    @classmethod
+    def _restore(cls) -> None:
+        """Put back the stance from before numatp's (call with ``_lock`` held)."""
+        if cls._ours is not None:
+            ours, prior, _ = cls._ours
+            from torch._dynamo import eval_frame
+            if eval_frame._stance is ours:
+                eval_frame._set_stance(prior)
+            cls._ours = None
+
+    def __enter__(self) -> _GuardSkip:
+        ef = self._eval_frame
+        with _GuardSkip._lock:
+            _GuardSkip._restore()   # another generation's skip ends, as does one an interrupt left on
+            _GuardSkip._live.add(self)
+            if ef is not None:
+                stance = ef._stance
+                self._usable = stance.stance == "default" and not stance.skip_guard_eval_unsafe
+        return self
 
     def step(self, step: int) -> None:
         """Call before forward ``step`` (0: the prompt)."""
@@ -298,16 +339,22 @@ class _GuardSkip:
         if step == self._SKIP_FROM - 1:
             self._frames = self._compiled()
         elif step == self._SKIP_FROM and self._compiled() == self._frames:
-            self._context = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-            self._context.__enter__()
-
-    def __enter__(self) -> _GuardSkip:
-        return self
+            ef = self._eval_frame
+            with _GuardSkip._lock:
+                if len(_GuardSkip._live) != 1 or _GuardSkip._ours is not None or ef is None:
+                    return
+                prior = ef._stance
+                if prior.stance != "default" or prior.skip_guard_eval_unsafe:
+                    return
+                ours = ef.DynamoStance("default", True, None)
+                _GuardSkip._ours = (ours, prior, self)   # recorded first: whatever happens next, it is undone
+                ef._set_stance(ours)
 
     def __exit__(self, *exc: object) -> None:
-        if self._context is not None:
-            self._context.__exit__(None, None, None)
-            self._context = None
+        with _GuardSkip._lock:
+            _GuardSkip._live.discard(self)
+            if self._context is not None:
+                _GuardSkip._restore()
 
 
 def static_cache(model: torch.nn.Module, batch: int, max_len: int, dtype: torch.dtype) -> Any:

@@ -122,9 +122,13 @@ class NumaTPBackend:
             self.decode = previous
 
     def reload_states(self) -> None:
-        """Copy the caller's state tensors (a cache just reset) into every socket's copy again."""
+        """Copy the caller's state tensors (a cache just reset) into every socket's copy again, once no
+        worker of an earlier call cut short (an interrupt) can still write them."""
+        if self._group is not None:
+            self._group.settle()
         self.states.reload()
         if self._whole is not None:
+            self._whole[0].settle()
             self._whole[2].reload()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
 import threading
 import time
 import weakref
@@ -40,9 +39,6 @@ class SocketError(RuntimeError):
 
 class GroupAborted(RuntimeError):
     """Raised inside a worker whose peers failed or were interrupted: stop the current task."""
-
-
-_STOP = object()
 
 
 def pin_threads(cpus: tuple[int, ...] | list[int]) -> None:
@@ -74,8 +70,14 @@ class _Shared:
         self.comm: Any = None   # the C++ collective (numatp.runtime.collective), made on first use
         self.comm_lock = threading.Lock()
         self.aborted = False   # a worker failed in this call (also stops a collective made after it)
-        self.tasks: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(self.size)]
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        # The calls: the caller stores (number, fn) in one assignment, so a call is handed to every worker
+        # or to none wherever an interrupt lands; each worker writes its result and the number of the call
+        # it finished (no signal interrupts a worker thread), so what is in flight is always known.
+        self.cond = threading.Condition()
+        self.task: tuple[int, Callable[[int], Any] | None] = (0, None)   # None: the call was cancelled
+        self.finished = [0] * self.size
+        self.results: list[tuple[bool, Any] | None] = [None] * self.size
+        self.stop = False
         self.ready = threading.Barrier(self.size + 1)
         self.setup_errors: list[BaseException] = []
         self.slots: list[Any] = [None] * self.size   # partials of the torch all-reduce (dtypes C++ does not sum)
@@ -109,22 +111,34 @@ def _worker(shared: _Shared, rank: int) -> None:
         shared.ready.wait()
         return
     shared.ready.wait()
+    cond = shared.cond
+    last = 0
     with ctx:
         while True:
-            task = shared.tasks[rank].get()
-            if task is _STOP:
-                return
-            try:
-                shared.done.put((rank, True, task(rank)))
-            except BaseException as e:  # noqa: BLE001  (handed to the caller)
-                shared.abort()
-                shared.done.put((rank, False, e))
-            del task
+            with cond:
+                while not shared.stop and shared.task[0] == last:
+                    cond.wait()
+                if shared.stop:
+                    return
+                last, task = shared.task
+            out: tuple[bool, Any] | None = None
+            if task is not None:
+                try:
+                    out = (True, task(rank))
+                except BaseException as e:  # noqa: BLE001  (handed to the caller)
+                    shared.abort()
+                    out = (False, e)
+            with cond:
+                shared.results[rank] = out
+                shared.finished[rank] = last
+                cond.notify_all()
+            del task, out
 
 
 def _stop(shared: _Shared, threads: list[threading.Thread]) -> None:
-    for q in shared.tasks:
-        q.put(_STOP)
+    with shared.cond:
+        shared.stop = True
+        shared.cond.notify_all()
     for t in threads:
         if t.is_alive() and t is not threading.current_thread():
             t.join(timeout=5)
@@ -137,6 +151,13 @@ class SocketGroup:
     Inside ``fn``, ``group.barrier(rank)`` synchronises the sockets; a worker that raises breaks the
     barrier so the others stop at their next one instead of waiting forever. The workers stop when the
     group is closed or garbage-collected.
+
+    Calls from several threads run one after another (a caller waits for the call in progress); a call
+    from inside a call (a worker, or the caller's own thread re-entering) is an error, since it would
+    wait for itself. A call interrupted on the caller's thread (KeyboardInterrupt, any exception raised
+    there) stops its workers at their next collective and waits for them before raising; where a second
+    interrupt cuts that wait short, the next call (or :meth:`settle`) finishes it first. Either way no
+    worker is left waiting on a barrier, and the next call starts on a settled group.
     """
 
     def __init__(self, topology: Topology, *, bind_memory: bool | None = None, timeout: float = 600.0):
@@ -145,6 +166,7 @@ class SocketGroup:
         bind = (not topology.is_virtual) if bind_memory is None else bind_memory
         self._shared = shared = _Shared(topology, bind, timeout)
         self._lock = threading.Lock()
+        self._owner: int | None = None   # the thread whose call is in progress
         self._threads = [
             threading.Thread(target=_worker, args=(shared, r), name=f"numatp-{id(shared):x}-socket{r}", daemon=True)
             for r in range(self.size)
@@ -237,46 +259,70 @@ class SocketGroup:
 
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
         """``[fn(0), ..., fn(N-1)]`` computed on the sockets' workers concurrently."""
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError("this numatp socket group is already running a call from another thread; "
-                               "numatp runs one prefill at a time per compiled model: call it from one thread")
+        me = threading.get_ident()
+        if self._owner == me or any(t.ident == me for t in self._threads):
+            raise RuntimeError("a numatp socket group was called from inside one of its own calls (a callback of "
+                               "the call, or a socket worker); that call would wait for itself: call the compiled "
+                               "model again after the call in progress returns")
+        with self._lock:   # callers from other threads wait here for the call in progress
+            self._owner = me
+            try:
+                return self._run(fn)
+            finally:
+                self._owner = None
+
+    def _run(self, fn: Callable[[int], Any]) -> list[Any]:
         shared = self._shared
+        self.settle()   # an earlier call cut short: its workers have stopped
+        shared.reset()
+        with shared.cond:
+            call = shared.task[0] + 1
+            shared.task = (call, fn)   # one store: every worker gets the call, or none does
+            shared.cond.notify_all()
         try:
-            shared.reset()
-            for q in shared.tasks:
-                q.put(fn)
-            results: list[Any] = [None] * self.size
-            errors: dict[int, BaseException] = {}
-            pending = self.size
-            interrupted: BaseException | None = None
-            while pending:
-                try:
-                    rank, ok, value = shared.done.get()
-                except BaseException as e:  # KeyboardInterrupt: stop the peers, still collect them
-                    interrupted = e
-                    shared.abort()
-                    continue
-                pending -= 1
-                if ok:
-                    results[rank] = value
-                else:
-                    errors[rank] = value
-            if interrupted is not None:
-                raise interrupted
-            if errors:
-                late = [e for e in errors.values() if isinstance(e, CollectiveTimeout)]
-                if late:
-                    stuck = late[0].missing
-                    cpus = "; ".join(f"socket {r}: CPUs {_cpus(self.topology, r)}" for r in stuck)
-                    raise SocketError(f"timed out: {late[0]} ({cpus}); that socket is stuck, or far slower "
-                                      "than its peers (check what else runs on its CPUs)") from late[0]
-                real = {r: e for r, e in errors.items() if not isinstance(e, GroupAborted)}
-                rank, err = min((real or errors).items())
-                raise SocketError(f"socket {rank} (CPUs {_cpus(self.topology, rank)}) failed: "
-                                  f"{type(err).__name__}: {err}") from err
-            return results
-        finally:
-            self._lock.release()
+            with shared.cond:
+                while not all(f == call for f in shared.finished):
+                    shared.cond.wait()
+        except BaseException:   # KeyboardInterrupt: stop the workers at their next collective, wait for them
+            shared.abort()
+            self.settle()
+            raise
+        outcomes, shared.results = shared.results, [None] * self.size
+        results: list[Any] = [None] * self.size
+        errors: dict[int, BaseException] = {}
+        for rank, (ok, value) in enumerate(outcomes):  # type: ignore[misc]  # every worker ran this call
+            if ok:
+                results[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            late = [e for e in errors.values() if isinstance(e, CollectiveTimeout)]
+            if late:
+                stuck = late[0].missing
+                cpus = "; ".join(f"socket {r}: CPUs {_cpus(self.topology, r)}" for r in stuck)
+                raise SocketError(f"timed out: {late[0]} ({cpus}); that socket is stuck, or far slower "
+                                  "than its peers (check what else runs on its CPUs)") from late[0]
+            real = {r: e for r, e in errors.items() if not isinstance(e, GroupAborted)}
+            rank, err = min((real or errors).items())
+            raise SocketError(f"socket {rank} (CPUs {_cpus(self.topology, rank)}) failed: "
+                              f"{type(err).__name__}: {err}") from err
+        return results
+
+    def settle(self) -> None:
+        """Return once no worker is inside a call. A call its caller left early (an interrupt) is cancelled:
+        the workers that had not started it skip it, the others stop at their next collective. Safe to call
+        at any time outside a call; an interrupt of this wait leaves the group for the next call to settle."""
+        shared = self._shared
+        with shared.cond:
+            call = shared.task[0]
+            if all(f == call for f in shared.finished):
+                return
+            shared.task = (call, None)
+            shared.abort()
+            shared.cond.notify_all()
+            while not all(f == call for f in shared.finished):
+                shared.cond.wait()
+            shared.results = [None] * self.size
 
     def close(self) -> None:
         self._finalizer()

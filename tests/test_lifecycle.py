@@ -1,0 +1,147 @@
+"""A compiled model's life beside a server: interrupts at any moment, callers on several threads, and release.
+
+One tiny GPT-2 on 2 sockets (eager segments) per test; every generation is checked token for token
+against a solo run of the same prompt.
+"""
+
+from __future__ import annotations
+
+import _thread
+import importlib
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import numatp
+from numatp import zoo
+from numatp.backend import backend_of
+from tests.helpers import fresh_dynamo, shared_cpu_topology
+
+pytestmark = pytest.mark.integration
+
+gen = importlib.import_module("numatp.generate")   # numatp.generate is also the function
+NEW = 12
+
+
+def _prompt(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(5, 500, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def fast():
+    fresh_dynamo()
+    torch.manual_seed(0)
+    model = zoo.build("gpt2", tiny=True)
+    return numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+
+
+def _stance() -> tuple[str, bool]:
+    from torch._dynamo import eval_frame
+    return eval_frame._stance.stance, eval_frame._stance.skip_guard_eval_unsafe
+
+
+def _settled(fast) -> bool:
+    shared = backend_of(fast).group._shared
+    return all(f == shared.task[0] for f in shared.finished)
+
+
+def test_an_exception_in_the_token_loop_at_any_step_leaves_the_model_usable(fast, monkeypatch):
+    # top_k=1 samples the greedy token; a warper raising after k tokens is a callback (a streamer, a
+    # cancelled request) interrupting the loop: before the guard skip (k < 3) and while it is on
+    ids = _prompt(7)
+    expected = fast.generate(ids, max_new_tokens=NEW, pad_token_id=0)
+    real = gen._warpers
+    for k, exc in ((1, KeyboardInterrupt), (3, KeyboardInterrupt), (6, KeyboardInterrupt), (9, ValueError)):
+        calls = []
+
+        def raising(*a, k=k, exc=exc):
+            def warp(_, logits):
+                calls.append(1)
+                if len(calls) == k:
+                    raise exc(f"after {k} tokens")
+                return logits
+            return real(*a) + [warp]
+
+        monkeypatch.setattr(gen, "_warpers", raising)
+        with pytest.raises(exc, match=f"after {k} tokens"):
+            fast.generate(ids, max_new_tokens=NEW, do_sample=True, top_k=1, pad_token_id=0)
+        monkeypatch.setattr(gen, "_warpers", real)
+        assert _stance() == ("default", False), k
+        assert torch.equal(fast.generate(ids, max_new_tokens=NEW, pad_token_id=0), expected), k
+
+
+@pytest.mark.parametrize("how", ["signal", "interrupt_main"])
+def test_an_interrupt_at_any_moment_leaves_the_model_usable(fast, how):
+    # Ctrl-C (SIGINT to the main thread, or _thread.interrupt_main) at moments spread over a generation:
+    # inside forwards (the caller waiting for the socket workers), in the token loop, at a step boundary
+    ids = _prompt(7)
+    expected = fast.generate(ids, max_new_tokens=NEW, pad_token_id=0)
+    t0 = time.perf_counter()
+    fast.generate(ids, max_new_tokens=NEW, pad_token_id=0)
+    span = time.perf_counter() - t0
+    main = threading.main_thread().ident
+    fire = (lambda: signal.pthread_kill(main, signal.SIGINT)) if how == "signal" else _thread.interrupt_main
+    threads = threading.active_count()
+    interrupted = 0
+    for i in range(16):
+        timer = threading.Timer(span * i / 16, fire)
+        try:
+            timer.start()
+            fast.generate(ids, max_new_tokens=NEW, pad_token_id=0)
+            timer.join()
+            time.sleep(0.01)   # an interrupt after the generation lands here
+        except KeyboardInterrupt:
+            interrupted += 1
+        timer.join()
+        backend_of(fast).group.settle()   # returns at once where the call settled its workers itself
+        assert _settled(fast) and _stance() == ("default", False), i
+        assert torch.equal(fast.generate(ids, max_new_tokens=NEW, pad_token_id=0), expected), i
+    assert interrupted >= 8 and threading.active_count() == threads
+
+
+def test_a_forward_cut_short_leaves_no_worker_on_a_barrier(fast):
+    # the caller interrupted while the workers are inside a forward (one socket held back, so the other
+    # waits on the all-reduce): the call stops them and returns, and the next generation is right
+    ids = _prompt(7)
+    expected = fast.generate(ids, max_new_tokens=NEW, pad_token_id=0)
+    group = backend_of(fast).group
+    gate = threading.Event()
+
+    def slow_socket_then_interrupt(rank):
+        if rank == 1:
+            _thread.interrupt_main()
+            gate.wait(5)
+        return rank
+
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        group.run(lambda rank: (slow_socket_then_interrupt(rank), group.barrier(rank)))
+    gate.set()
+    assert time.perf_counter() - t0 < 10 and _settled(fast)
+    assert torch.equal(fast.generate(ids, max_new_tokens=NEW, pad_token_id=0), expected)
+
+
+def test_guards_are_skipped_only_while_one_generation_is_in_progress():
+    # the stance is process-wide: a second generation (another thread, another model) puts every guard
+    # back; a stance an interrupt left behind is undone by the next generation's start
+    first = gen._GuardSkip()
+    with first:
+        for step in range(4):
+            first.step(step)
+        assert first._context is not None and _stance() == ("default", True)
+        with gen._GuardSkip() as second:
+            assert first._context is None and _stance() == ("default", False)
+            for step in range(6):
+                second.step(step)
+                assert second._context is None
+    assert _stance() == ("default", False)
+    left = gen._GuardSkip()
+    left.__enter__()
+    for step in range(4):
+        left.step(step)
+    assert _stance() == ("default", True)   # never left: as if an interrupt cut its exit short
+    with gen._GuardSkip():
+        assert _stance() == ("default", False)
