@@ -124,6 +124,47 @@ def test_a_forward_cut_short_leaves_no_worker_on_a_barrier(fast):
     assert torch.equal(fast.generate(ids, max_new_tokens=NEW, pad_token_id=0), expected)
 
 
+def test_callers_on_several_threads_each_get_their_own_tokens(fast):
+    # one compiled model, three threads generating different prompts at once: each equals its solo run
+    # (generations queue; the caches serve one at a time)
+    prompts = [_prompt(n, seed=n) for n in (5, 8, 11)]
+    solo = [fast.generate(p, max_new_tokens=NEW, pad_token_id=0) for p in prompts]
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(prompts))
+
+    def caller(i: int) -> None:
+        try:
+            start.wait()
+            for round_ in range(3):
+                got[i, round_] = fast.generate(prompts[i], max_new_tokens=NEW, pad_token_id=0)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for (i, round_), tokens in got.items():
+        assert torch.equal(tokens, solo[i]), (i, round_)
+    assert len(got) == 3 * len(prompts)
+
+
+def test_a_generation_started_from_its_own_callback_is_an_error(fast, monkeypatch):
+    ids = _prompt(7)
+    real = gen._warpers
+    monkeypatch.setattr(gen, "_warpers", lambda *a: real(*a) + [
+        lambda _, logits: fast.generate(ids, max_new_tokens=2, pad_token_id=0)])
+    with pytest.raises(RuntimeError, match="from inside a generation of the same model on the same thread"):
+        fast.generate(ids, max_new_tokens=3, do_sample=True, top_k=1, pad_token_id=0)
+    monkeypatch.setattr(gen, "_warpers", real)
+    group = backend_of(fast).group
+    with pytest.raises(RuntimeError, match="from inside one of its own calls"):
+        group.run(lambda rank: group.run(lambda r: r) if rank == 0 else rank)
+
+
 def test_guards_are_skipped_only_while_one_generation_is_in_progress():
     # the stance is process-wide: a second generation (another thread, another model) puts every guard
     # back; a stance an interrupt left behind is undone by the next generation's start

@@ -18,10 +18,13 @@ layer counts its length in a Python integer that would compile a new program at 
 Only the last position's logits are computed (``logits_to_keep=1``): the column-parallel LM head
 gathers one row per sequence.
 
-Interrupts. An interrupt (KeyboardInterrupt, or any exception raised in the loop) leaves the model
-ready for the next call wherever it lands: the socket workers of a forward it cut short are stopped at
-their next collective and waited for, Dynamo's stance is restored, and the next generation resets the
-caches.
+Threads and interrupts. One compiled model generates one generation at a time: its caches serve a
+generation from prompt to last token, so a ``generate`` from another thread waits for the one in
+progress (a server's callers queue; results are each caller's own), and one started from inside a
+generation on its own thread (a callback) is an error. An interrupt (KeyboardInterrupt, or any
+exception raised in the loop) leaves the model ready for the next call wherever it lands: the socket
+workers of a forward it cut short are stopped at their next collective and waited for, Dynamo's stance
+is restored, and the next generation resets the caches.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import inspect
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,7 +168,7 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     numatp_model = compiled_by_numatp(compiled)
     # None before the first call of torch.compile(..., backend="numatp"): torch makes the backend then
     backend = _backend(compiled) if numatp_model else None
-    with torch.inference_mode(), callers_threads():
+    with _one_at_a_time(compiled), torch.inference_mode(), callers_threads():
         if numatp_model:
             torch.set_num_threads(1)
         cache = _reusable_cache(compiled, model, batch, length, dtype)
@@ -219,6 +223,28 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     first = (decode_start or end) - t0
     return Generation(torch.cat(sequences, 1), prompt, len(sequences) - 1, first,
                       end - decode_start if decode_start is not None else 0.0)
+
+
+@contextlib.contextmanager
+def _one_at_a_time(compiled: Any) -> Iterator[None]:
+    """Hold ``compiled``'s generation lock: a generation from another thread waits for this one to end.
+    The model's caches (and every socket's copy of them) serve one generation from its prompt to its
+    last token, so concurrent callers run one after another. A generation started from inside another
+    on the same thread (a callback) is an error: it would wait for itself."""
+    lock = compiled.__dict__.get("_numatp_generating")
+    if lock is None:   # setdefault: two threads' first generations get one lock
+        lock = compiled.__dict__.setdefault("_numatp_generating", [threading.Lock(), None])
+    me = threading.get_ident()
+    if lock[1] == me:
+        raise RuntimeError("numatp generate was called from inside a generation of the same model on the same "
+                           "thread (a callback of that generation?); it would wait for itself: generate again "
+                           "once the generation in progress has returned")
+    with lock[0]:
+        lock[1] = me
+        try:
+            yield
+        finally:
+            lock[1] = None
 
 
 class _DecodeAhead(contextlib.ExitStack):
