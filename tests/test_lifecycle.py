@@ -57,7 +57,7 @@ def test_an_exception_in_the_token_loop_at_any_step_leaves_the_model_usable(fast
     for k, exc in ((1, KeyboardInterrupt), (3, KeyboardInterrupt), (6, KeyboardInterrupt), (9, ValueError)):
         calls = []
 
-        def raising(*a, k=k, exc=exc):
+        def raising(*a, k=k, exc=exc, calls=calls):
             def warp(_, logits):
                 calls.append(1)
                 if len(calls) == k:
@@ -186,3 +186,55 @@ def test_guards_are_skipped_only_while_one_generation_is_in_progress():
     assert _stance() == ("default", True)   # never left: as if an interrupt cut its exit short
     with gen._GuardSkip():
         assert _stance() == ("default", False)
+
+
+def _numatp_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("numatp-")]
+
+
+@pytest.mark.parametrize("how", ["numatp.compile", "torch.compile"])
+def test_a_dropped_compiled_model_releases_its_threads_shards_and_caches(how):
+    import gc
+    import weakref
+
+    fresh_dynamo()
+    ids = _prompt(7)
+    threads = _numatp_threads()
+
+    def run_and_drop() -> tuple[list, list, list]:
+        torch.manual_seed(0)
+        model = zoo.build("gpt2", tiny=True)
+        if how == "numatp.compile":
+            fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+        else:
+            fast = torch.compile(model, backend="numatp", options={"sockets": shared_cpu_topology(2), "mode": "eager"})
+        numatp.generate(fast, ids, max_new_tokens=4, pad_token_id=0)
+        backend = backend_of(fast)
+        assert len(_numatp_threads()) == len(threads) + 2
+        shards = [weakref.ref(t) for t in backend.weights._made.values()]
+        states = [weakref.ref(t) for r in range(2) for t in backend.states.tensors(r)]
+        params = [weakref.ref(p) for p in model.parameters()]
+        assert shards and states
+        return shards, states, params
+
+    shards, states, params = run_and_drop()   # the model and its compiled model go out of scope here
+    gc.collect()
+    assert _numatp_threads() == threads
+    assert all(r() is None for r in shards + states + params)
+    # a model compiled after still runs, and equals eager
+    torch.manual_seed(0)
+    model = zoo.build("gpt2", tiny=True)
+    fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast.generate(ids, max_new_tokens=4, pad_token_id=0), expected)
+
+
+def test_a_closed_backend_says_so_when_its_model_is_called(fast):
+    ids = _prompt(7)
+    fast.generate(ids, max_new_tokens=2, pad_token_id=0)
+    group = backend_of(fast).group
+    assert len(group.thread_names) == 2
+    backend_of(fast).close()
+    assert group.thread_names == []
+    with pytest.raises(RuntimeError, match="was released"):
+        fast(input_ids=ids)

@@ -69,6 +69,7 @@ class NumaTPBackend:
         choice of a prompt's weights is given."""
         self.graphs: list[CompiledGraph] = []
         self.calls = 0   # calls of its graphs: a forward that adds none did not run through numatp
+        self.closed = False   # released with its compiled model (close)
         self._group: SocketGroup | None = None
         self._whole: tuple[SocketGroup, WeightStore, StateStore] | None = None
         self._imported: dict[int, tuple[str, Any]] = {}
@@ -98,6 +99,7 @@ class NumaTPBackend:
     def group(self) -> SocketGroup:
         """The socket workers, started on the first sharded graph."""
         if self._group is None:
+            self._check_open()
             self._group = SocketGroup(self.topology)
         return self._group
 
@@ -105,6 +107,7 @@ class NumaTPBackend:
         """One worker pinned to every CPU of the topology, a store that leaves weights where they are and
         one for its states: where an unsharded graph runs with measured GEMM providers."""
         if self._whole is None:
+            self._check_open()
             whole = self.topology.whole()
             self._whole = SocketGroup(whole), WeightStore(whole, place=False), StateStore(whole)
             self._whole[1].imported = self._imported
@@ -121,6 +124,24 @@ class NumaTPBackend:
         finally:
             self.decode = previous
 
+    def close(self) -> None:
+        """Release what this compile holds: stop the socket workers, drop the weight shards, the sockets'
+        cache copies and every graph's programs. Called when the compiled model is collected (Dynamo's
+        code cache and its list of backends keep the backend itself, and the graphs it made, for the
+        life of the process: only these husks stay). A graph called after this raises."""
+        groups = [g for g in (self._group, self._whole[0] if self._whole is not None else None) if g is not None]
+        for group in groups:
+            group.close()
+        self._group = self._whole = None
+        self.weights = WeightStore(self.topology)
+        self.states = StateStore(self.topology)
+        self._imported = {}
+        for graph in self.graphs:
+            graph.release()
+        self.graphs = []
+        self.names = None
+        self.closed = True
+
     def reload_states(self) -> None:
         """Copy the caller's state tensors (a cache just reset) into every socket's copy again, once no
         worker of an earlier call cut short (an interrupt) can still write them."""
@@ -131,7 +152,12 @@ class NumaTPBackend:
             self._whole[0].settle()
             self._whole[2].reload()
 
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(RELEASED)
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        self._check_open()
         if any(type(a).__module__.split(".")[0] == "torchao" for a in example_inputs):
             raise ValueError("this model holds torchao-quantized weights, which numatp reads into its own quantized "
                              "shards when it sees the model: compile it with numatp.compile(model) instead of "
@@ -161,6 +187,10 @@ class NumaTPBackend:
         built, measured and dropped), as ``report_rows`` gives them, each with its ``graph`` index."""
         return [dict(row, graph=i) for i, g in enumerate(self.graphs) for v in g.variants.values()
                 if v.executor is not None for row in report_rows(v.executor.gemm_choices)]
+
+
+RELEASED = ("this numatp-compiled model was released (collected, or its backend closed): its socket workers "
+            "and weight shards are gone; compile the model again")
 
 
 def _gemm_selector(gemm: bool | GemmOptions | None, quant: QuantWeights | None = None) -> GemmSelector | None:

@@ -7,15 +7,17 @@ the compiled model, whichever way it was made.
 
 torch hands a registered backend no state of its own: it calls the entry point with ``(gm,
 example_inputs, options=...)`` from the wrapper that ``torch.compile`` makes once per call
-(``torch._TorchCompileWrapper``). The entry point keeps its backend on that wrapper, the one object
-that lives exactly as long as the compiled model; Dynamo's ``_torchdynamo_orig_backend`` chain leads
-from the compiled model back to it (:mod:`numatp.backend.registry`).
+(``torch._TorchCompileWrapper``). The entry point keeps its backend on that wrapper, which lives at least
+as long as the compiled model (Dynamo keeps it for the process, so the backend releases its workers and
+shards when the compiled model is collected: ``NumaTPBackend.close``); Dynamo's
+``_torchdynamo_orig_backend`` chain leads from the compiled model back to it (:mod:`numatp.backend.registry`).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -104,6 +106,9 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     compiled: Any = torch.compile(model, backend=backend, dynamic=False, **_isolated())
     if type(compiled) is OptimizedModule:
         compiled.__class__ = CompiledModel
+    # Dynamo keeps the backend for the life of the process (its code cache, its list of backends): the
+    # socket workers, shards and cache copies go with the compiled model instead
+    weakref.finalize(compiled, backend.close)
     return compiled
 
 

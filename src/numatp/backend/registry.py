@@ -2,17 +2,19 @@
 
 torch hands a registered backend no state of its own: it calls the entry point with ``(gm,
 example_inputs, options=...)`` from the wrapper that ``torch.compile`` makes once per call
-(``torch._TorchCompileWrapper``). The entry point keeps its backend on that wrapper, the one object
-that lives exactly as long as the compiled model; Dynamo's ``_torchdynamo_orig_backend`` chain leads
-from the compiled model back to it. :func:`backend_of` follows that chain for a model compiled either
-way (``numatp.compile`` or ``torch.compile(..., backend="numatp")``); :mod:`numatp.generate` and
-:mod:`numatp.backend.entry` use it.
+(``torch._TorchCompileWrapper``). The entry point keeps its backend on that wrapper, which lives at least
+as long as the compiled model (Dynamo keeps it for the process, so the backend releases its workers and
+shards when the compiled model is collected: ``NumaTPBackend.close``); Dynamo's
+``_torchdynamo_orig_backend`` chain leads from the compiled model back to it. :func:`backend_of` follows
+that chain for a model compiled either way (``numatp.compile`` or ``torch.compile(...,
+backend="numatp")``); :mod:`numatp.generate` and :mod:`numatp.backend.entry` use it.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from types import FrameType
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +50,9 @@ def numatp_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, optio
         backend = NumaTPBackend.from_options(checked)
         if wrapper is not None:
             setattr(wrapper, _ATTR, backend)
+            compiled = _calling_module(backend)
+            if compiled is not None:   # released with the compiled model, as numatp.compile's backend is
+                weakref.finalize(compiled, backend.close)
         else:
             # called by Dynamo directly (torch._dynamo.optimize("numatp")): nothing outlives this graph
             # to hold a backend, so the graph gets its own
@@ -83,6 +88,20 @@ def _calling_wrapper() -> Any:
             break
         owner = frame.f_locals.get("self")
         if isinstance(owner, torch._TorchCompileWrapper) and getattr(owner, "compiler_fn", None) is numatp_backend:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _calling_module(backend: NumaTPBackend) -> Any:
+    """The compiled module (``torch.compile``'s ``OptimizedModule``) whose call is compiling its first graph
+    with ``backend``, found on the stack, or None (a compiled function)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, OptimizedModule) and _find(owner)[0] is backend:
             return owner
         frame = frame.f_back
     return None

@@ -127,9 +127,20 @@ class CompiledGraph:
         # (eps, dropout p, scaling) to 0-d tensor inputs; a variant is specialised to their values
         self.scalars = _item_inputs(gm)
         self._fast: _Fast | None = None
+        self.released = False
         self.index = len(backend.graphs)   # for progress lines: the backend's graphs in build order
 
+    def release(self) -> None:
+        """Drop the variants (programs, executors, their weights) and the parameters kept for the fast
+        lookup: the backend's compiled model is gone (``NumaTPBackend.close``)."""
+        self.variants.clear()
+        self._fast = None
+        self.released = True
+
     def __call__(self, *args: Any) -> Any:
+        if self.released:
+            from numatp.backend.core import RELEASED
+            raise RuntimeError(RELEASED)
         self.backend.calls += 1
         fast = self._fast
         if fast is not None and all(map(operator.is_, fast.fixed(args), fast.objects)):
