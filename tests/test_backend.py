@@ -202,28 +202,29 @@ def test_group_leaves_the_callers_thread_count_to_threads_started_later():
         torch.set_num_threads(before)
 
 
-def test_concurrent_calls_are_a_clear_error_or_correct():
+def test_concurrent_calls_run_one_after_another():
+    # a call from a second thread waits for the call in progress, then runs: both get their own results
     group = SocketGroup(Topology.virtual(sockets=2))
     started = threading.Event()
     release = threading.Event()
+    order: list[str] = []
+    first: list = []
 
     def slow(rank):
         started.set()
         release.wait(10)
+        order.append("slow")
         return rank
 
-    errors = []
     with group:
-        t = threading.Thread(target=lambda: group.run(slow))
+        t = threading.Thread(target=lambda: first.append(group.run(slow)))
         t.start()
         started.wait(10)
-        try:
-            group.run(lambda r: r)
-        except RuntimeError as e:
-            errors.append(str(e))
-        release.set()
+        threading.Timer(0.3, release.set).start()
+        second = group.run(lambda r: order.append("fast") or r + 10)
         t.join()
-    assert errors and "one prefill at a time" in errors[0]
+    assert first == [[0, 1]] and second == [10, 11]
+    assert order == ["slow", "slow", "fast", "fast"]
 
 
 def _numatp_workers() -> dict[str, list[int]]:

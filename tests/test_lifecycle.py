@@ -73,7 +73,7 @@ def test_an_exception_in_the_token_loop_at_any_step_leaves_the_model_usable(fast
         assert torch.equal(fast.generate(ids, max_new_tokens=NEW, pad_token_id=0), expected), k
 
 
-@pytest.mark.parametrize("how", ["signal", "interrupt_main"])
+@pytest.mark.parametrize("how", ["signal", pytest.param("interrupt_main", marks=pytest.mark.slow)])
 def test_an_interrupt_at_any_moment_leaves_the_model_usable(fast, how):
     # Ctrl-C (SIGINT to the main thread, or _thread.interrupt_main) at moments spread over a generation:
     # inside forwards (the caller waiting for the socket workers), in the token loop, at a step boundary
@@ -86,8 +86,8 @@ def test_an_interrupt_at_any_moment_leaves_the_model_usable(fast, how):
     fire = (lambda: signal.pthread_kill(main, signal.SIGINT)) if how == "signal" else _thread.interrupt_main
     threads = threading.active_count()
     interrupted = 0
-    for i in range(16):
-        timer = threading.Timer(span * i / 16, fire)
+    for i in range(12):
+        timer = threading.Timer(span * i / 12, fire)
         try:
             timer.start()
             fast.generate(ids, max_new_tokens=NEW, pad_token_id=0)
@@ -99,7 +99,7 @@ def test_an_interrupt_at_any_moment_leaves_the_model_usable(fast, how):
         backend_of(fast).group.settle()   # returns at once where the call settled its workers itself
         assert _settled(fast) and _stance() == ("default", False), i
         assert torch.equal(fast.generate(ids, max_new_tokens=NEW, pad_token_id=0), expected), i
-    assert interrupted >= 8 and threading.active_count() == threads
+    assert interrupted >= 6 and threading.active_count() == threads
 
 
 def test_a_forward_cut_short_leaves_no_worker_on_a_barrier(fast):
@@ -152,6 +152,38 @@ def test_callers_on_several_threads_each_get_their_own_tokens(fast):
     assert len(got) == 3 * len(prompts)
 
 
+
+def test_forwards_from_several_threads_each_get_their_own_logits(fast):
+    # plain forwards (no cache) on one compiled model from three threads: the socket group runs one call
+    # at a time (the others wait); each thread's logits equal eager's for its own input
+    inputs = [_prompt(6, seed=s) for s in range(3)]
+    model = fast._orig_mod
+    with torch.inference_mode():
+        expected = [model(input_ids=i).logits for i in inputs]
+        fast(input_ids=inputs[0])   # built once before the threads start
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def caller(i: int) -> None:
+        try:
+            start.wait()
+            with torch.inference_mode():
+                for round_ in range(5):
+                    got[i, round_] = fast(input_ids=inputs[i]).logits
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(got) == 15
+    for (i, _), logits in got.items():
+        torch.testing.assert_close(logits, expected[i], atol=2e-5, rtol=1e-4)
+
 def test_a_generation_started_from_its_own_callback_is_an_error(fast, monkeypatch):
     ids = _prompt(7)
     real = gen._warpers
@@ -192,7 +224,7 @@ def _numatp_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("numatp-")]
 
 
-@pytest.mark.parametrize("how", ["numatp.compile", "torch.compile"])
+@pytest.mark.parametrize("how", ["numatp.compile", pytest.param("torch.compile", marks=pytest.mark.slow)])
 def test_a_dropped_compiled_model_releases_its_threads_shards_and_caches(how):
     import gc
     import weakref

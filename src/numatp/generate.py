@@ -168,7 +168,9 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
     numatp_model = compiled_by_numatp(compiled)
     # None before the first call of torch.compile(..., backend="numatp"): torch makes the backend then
     backend = _backend(compiled) if numatp_model else None
-    with _one_at_a_time(compiled), torch.inference_mode(), callers_threads():
+    lock = _generation_lock(compiled)
+    # the lock's own with (no Python frame between acquiring and entering it): released wherever an interrupt lands
+    with lock[0], _owned(lock), torch.inference_mode(), callers_threads():
         if numatp_model:
             torch.set_num_threads(1)
         cache = _reusable_cache(compiled, model, batch, length, dtype)
@@ -225,26 +227,30 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                       end - decode_start if decode_start is not None else 0.0)
 
 
-@contextlib.contextmanager
-def _one_at_a_time(compiled: Any) -> Iterator[None]:
-    """Hold ``compiled``'s generation lock: a generation from another thread waits for this one to end.
-    The model's caches (and every socket's copy of them) serve one generation from its prompt to its
-    last token, so concurrent callers run one after another. A generation started from inside another
-    on the same thread (a callback) is an error: it would wait for itself."""
+def _generation_lock(compiled: Any) -> list[Any]:
+    """``[lock, owner]`` of ``compiled``'s generations: a generation from another thread waits for the one
+    in progress. The model's caches (and every socket's copy of them) serve one generation from its prompt
+    to its last token, so concurrent callers run one after another. A generation started from inside
+    another on the same thread (a callback) is an error: it would wait for itself."""
     lock = compiled.__dict__.get("_numatp_generating")
     if lock is None:   # setdefault: two threads' first generations get one lock
         lock = compiled.__dict__.setdefault("_numatp_generating", [threading.Lock(), None])
-    me = threading.get_ident()
-    if lock[1] == me:
+    if lock[0].locked() and lock[1] == threading.get_ident():
         raise RuntimeError("numatp generate was called from inside a generation of the same model on the same "
                            "thread (a callback of that generation?); it would wait for itself: generate again "
                            "once the generation in progress has returned")
-    with lock[0]:
-        lock[1] = me
-        try:
-            yield
-        finally:
-            lock[1] = None
+    return lock
+
+
+@contextlib.contextmanager
+def _owned(lock: list[Any]) -> Iterator[None]:
+    """Inside ``with lock[0]``: this thread holds the generation lock (an owner left behind by an interrupt
+    between the two is ignored once the lock is free)."""
+    lock[1] = threading.get_ident()
+    try:
+        yield
+    finally:
+        lock[1] = None
 
 
 class _DecodeAhead(contextlib.ExitStack):

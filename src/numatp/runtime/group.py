@@ -260,7 +260,7 @@ class SocketGroup:
     def run(self, fn: Callable[[int], Any]) -> list[Any]:
         """``[fn(0), ..., fn(N-1)]`` computed on the sockets' workers concurrently."""
         me = threading.get_ident()
-        if self._owner == me or any(t.ident == me for t in self._threads):
+        if (self._lock.locked() and self._owner == me) or any(t.ident == me for t in self._threads):
             raise RuntimeError("a numatp socket group was called from inside one of its own calls (a callback of "
                                "the call, or a socket worker); that call would wait for itself: call the compiled "
                                "model again after the call in progress returns")
