@@ -218,6 +218,8 @@ def test_guards_are_skipped_only_while_one_generation_is_in_progress():
     assert _stance() == ("default", True)   # never left: as if an interrupt cut its exit short
     with gen._GuardSkip():
         assert _stance() == ("default", False)
+    left.__exit__(None, None, None)
+    assert not gen._GuardSkip._live and gen._GuardSkip._ours is None
 
 
 def _numatp_threads() -> list[str]:
