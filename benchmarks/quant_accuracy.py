@@ -63,6 +63,8 @@ def _quantized_copy(model, weights: str, dtype, keep_head: bool = False):
 
 
 def measure(name: str, prompt: int, new_tokens: int, prompts: int) -> list[dict]:
+    import copy
+
     import torch
 
     from numatp import zoo
@@ -82,7 +84,8 @@ def measure(name: str, prompt: int, new_tokens: int, prompts: int) -> list[dict]
     for dtype in (torch.float32, torch.bfloat16):
         for weights in ("none", "int8", "int8 keep_head", "int4:g64", "int4:g32"):
             fmt, _, keep = weights.partition(" ")
-            model = base.to(dtype) if fmt == "none" else _quantized_copy(base, fmt, dtype, keep_head=bool(keep))
+            model = copy.deepcopy(base).to(dtype) if fmt == "none" else \
+                _quantized_copy(base, fmt, dtype, keep_head=bool(keep))
             with torch.inference_mode():
                 out = model(seq).logits.float()
             last = prompt - 1
@@ -93,7 +96,7 @@ def measure(name: str, prompt: int, new_tokens: int, prompts: int) -> list[dict]
                          "logits_rel_error": err, "greedy_agreement": agree, "prompt": prompt,
                          "new_tokens": new_tokens, "prompts": prompts})
             print(json.dumps(rows[-1]), flush=True)
-            base = base.float()
+            del model, out
     return rows
 
 
