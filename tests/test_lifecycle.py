@@ -48,6 +48,7 @@ def _settled(fast) -> bool:
     return all(f == shared.task[0] for f in shared.finished)
 
 
+@pytest.mark.slow
 def test_an_exception_in_the_token_loop_at_any_step_leaves_the_model_usable(fast, monkeypatch):
     # top_k=1 samples the greedy token; a warper raising after k tokens is a callback (a streamer, a
     # cancelled request) interrupting the loop: before the guard skip (k < 3) and while it is on
@@ -102,6 +103,7 @@ def test_an_interrupt_at_any_moment_leaves_the_model_usable(fast, how):
     assert interrupted >= 6 and threading.active_count() == threads
 
 
+@pytest.mark.slow
 def test_a_forward_cut_short_leaves_no_worker_on_a_barrier(fast):
     # the caller interrupted while the workers are inside a forward (one socket held back, so the other
     # waits on the all-reduce): the call stops them and returns, and the next generation is right
@@ -153,6 +155,7 @@ def test_callers_on_several_threads_each_get_their_own_tokens(fast):
 
 
 
+@pytest.mark.slow
 def test_forwards_from_several_threads_each_get_their_own_logits(fast):
     # plain forwards (no cache) on one compiled model from three threads: the socket group runs one call
     # at a time (the others wait); each thread's logits equal eager's for its own input
@@ -226,7 +229,8 @@ def _numatp_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("numatp-")]
 
 
-@pytest.mark.parametrize("how", ["numatp.compile", pytest.param("torch.compile", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["numatp.compile", "torch.compile"])
 def test_a_dropped_compiled_model_releases_its_threads_shards_and_caches(how):
     import gc
     import weakref
@@ -263,6 +267,7 @@ def test_a_dropped_compiled_model_releases_its_threads_shards_and_caches(how):
     assert torch.equal(fast.generate(ids, max_new_tokens=4, pad_token_id=0), expected)
 
 
+@pytest.mark.slow
 def test_a_closed_backend_says_so_when_its_model_is_called(fast):
     ids = _prompt(7)
     fast.generate(ids, max_new_tokens=2, pad_token_id=0)

@@ -52,7 +52,7 @@ def _reference(ag, inputs):
     pytest.param("gpt2", 1, "int8", marks=pytest.mark.slow), ("gpt2", 2, "int4:g32"),
     pytest.param("gpt2", 4, "int8", marks=pytest.mark.slow),
     pytest.param("llama", 1, "int4:g32", marks=pytest.mark.slow),
-    ("llama", 2, "int8"), ("llama", 4, "int8")])
+    pytest.param("llama", 2, "int8", marks=pytest.mark.slow), ("llama", 4, "int8")])
 def test_quantized_programs_equal_the_dequantized_reference(family, sockets, weights, tmp_path):
     ag, real = _traced(family)
     logits, built, selector = _run_quantized(ag, real, sockets, weights, tmp_path)
@@ -79,6 +79,7 @@ def test_a_measured_quantized_provider_reads_the_same_values(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_keep_head_leaves_the_head_and_tables_in_the_model_dtype(tmp_path):
     ag, real = _traced("gpt2")
     _, built, selector = _run_quantized(ag, real, 2, "int4:g32", tmp_path, keep_head=True)
@@ -144,7 +145,8 @@ def _dequantized_twin(model, compiled, calls):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("weights", [pytest.param("int8", marks=pytest.mark.slow), "int4:g32"])
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["int8", "int4:g32"])
 def test_greedy_tokens_of_a_quantized_model_equal_its_dequantized_twin(weights, recorded_calls, tmp_path):
     fresh_dynamo()
     torch.manual_seed(0)

@@ -234,7 +234,8 @@ def test_this_cpus_layout_is_read_from_the_packing_op(rows):
 
 
 @pytest.mark.filterwarnings("ignore:numatp. virtual sockets")
-@pytest.mark.parametrize("config", ["int4:g32", pytest.param("int8", marks=pytest.mark.slow)])
+@pytest.mark.slow   # two Inductor-free compiles with GEMM choice, ~15 s each here
+@pytest.mark.parametrize("config", ["int4:g32", "int8"])
 def test_numatp_compile_shards_torchao_values_and_matches_torchao(config, tmp_path):
     # numatp.compile reads torchao's values into its own quantized shards (never re-quantized): the model,
     # sharded on 2 sockets, equals torchao's eager forward within the kernels' rounding
