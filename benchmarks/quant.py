@@ -33,12 +33,19 @@ GGUF = {"bf16": "bf16", "int8": "Q8_0", "int4": "Q4_0", "fp32": "f32"}
 """numatp's mode -> the llama.cpp format it is compared with (the same bytes per weight, near enough)."""
 
 
-def _llama_bench(binary: str, gguf: Path, threads: int, args: list[str]) -> float:
-    """tokens/s of one llama-bench run (``-r 1``) with ``args``."""
-    out = subprocess.run([binary, "-m", str(gguf), "-t", str(threads), "-r", "1", "-fa", "off", "-o", "json", *args],
-                         capture_output=True, text=True, check=True).stdout
-    rows = json.loads(out[out.index("["):])
-    return float(rows[0]["avg_ts"])
+def _llama_bench(binary: str, gguf: Path, threads: int, args: list[str], notes: set[str]) -> float | None:
+    """tokens/s of one llama-bench run (``-r 1``) with ``args``; None where it fails. Where the default
+    run dies, it is run again with ``--repack 0`` (llama.cpp's repacked quantized weights take AMX paths that
+    die with SIGILL in a virtual machine that shows AMX but does not grant it), and ``notes`` says so."""
+    base = [binary, "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", *args]
+    for extra in ([], ["--repack", "0"]):
+        r = subprocess.run(base + extra, capture_output=True, text=True)
+        if r.returncode == 0 and "[" in r.stdout:
+            if extra:
+                notes.add(f"{gguf.name} {' '.join(args)}: --repack 0")
+            return float(json.loads(r.stdout[r.stdout.index("["):])[0]["avg_ts"])
+    notes.add(f"{gguf.name} {' '.join(args)}: failed (rc {r.returncode})")
+    return None
 
 
 def child(model_name: str, modes: list[str], prompt: int, new_tokens: int, prefills: list[int], rounds: int,
@@ -88,6 +95,7 @@ def child(model_name: str, modes: list[str], prompt: int, new_tokens: int, prefi
     lc_decode = {m: [] for m in ggufs}
     lc_pre = {f"{m}@{p}": [] for m in ggufs for p in [prompt, *prefills]}
     depth_zero: set[str] = set()
+    notes: set[str] = set()
     for r in range(rounds):
         print(f"  round {r + 1}/{rounds}", file=sys.stderr, flush=True)
         for mode, c in compiled.items():
@@ -98,26 +106,28 @@ def child(model_name: str, modes: list[str], prompt: int, new_tokens: int, prefi
                 pre[f"{mode}@{p}"].append(p / generate_timed(c, x, max_new_tokens=1, **kw).prefill_seconds)
         for mode, f in ggufs.items():
             assert llama_bench is not None
-            try:
-                tps = _llama_bench(llama_bench, f, threads, ["-p", "0", "-n", str(new_tokens), "-d", str(prompt)])
-            except subprocess.CalledProcessError:
+            tps = _llama_bench(llama_bench, f, threads, ["-p", "0", "-n", str(new_tokens), "-d", str(prompt)], notes)
+            if tps is None:
                 # this llama.cpp's -d (decode after a prompt in the cache) crashes on some architectures
                 # (GPT-2 here): decode from an empty cache instead, which reads no keys or values (a 128-token
                 # cache is a small part of a step's bytes beside the weights)
                 depth_zero.add(mode)
-                tps = _llama_bench(llama_bench, f, threads, ["-p", "0", "-n", str(new_tokens)])
-            lc_decode[mode].append(tps)
+                tps = _llama_bench(llama_bench, f, threads, ["-p", "0", "-n", str(new_tokens)], notes)
+            if tps is not None:
+                lc_decode[mode].append(tps)
             for p in [prompt, *prefills]:
-                lc_pre[f"{mode}@{p}"].append(_llama_bench(llama_bench, f, threads, ["-p", str(p), "-n", "0"]))
+                pp = _llama_bench(llama_bench, f, threads, ["-p", str(p), "-n", "0"], notes)
+                if pp is not None:
+                    lc_pre[f"{mode}@{p}"].append(pp)
     med = statistics.median
     return {"model": model_name, "threads": threads, "sockets": sockets, "prompt": prompt, "new_tokens": new_tokens,
             "rounds": rounds, "weight_bytes_per_socket": bytes_per_socket, "compile_s": compile_s,
             "numatp_decode_tps": {k: med(v) for k, v in decode.items()},
             "numatp_prompt_tps": {k: med(v) for k, v in pre.items()},
-            "llamacpp_decode_tps": {k: med(v) for k, v in lc_decode.items()},
-            "llamacpp_prompt_tps": {k: med(v) for k, v in lc_pre.items()},
+            "llamacpp_decode_tps": {k: med(v) for k, v in lc_decode.items() if v},
+            "llamacpp_prompt_tps": {k: med(v) for k, v in lc_pre.items() if v},
             "numatp_decode_rounds": decode, "llamacpp_decode_rounds": lc_decode,
-            "llamacpp_decode_from_empty_cache": sorted(depth_zero)}
+            "llamacpp_decode_from_empty_cache": sorted(depth_zero), "llamacpp_notes": sorted(notes)}
 
 
 def main() -> int:
