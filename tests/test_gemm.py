@@ -49,6 +49,17 @@ def _runs_here(provider: str, dtype: torch.dtype) -> bool:
     return True
 
 
+_KEPT: list = []
+"""The compiled models of the current test: a backend is released when its compiled model is collected,
+and these tests read the backends ``_run`` returns."""
+
+
+@pytest.fixture(autouse=True)
+def _release_after_each_test():
+    yield
+    _KEPT.clear()
+
+
 def _run(family, dtype, sockets, options, seqs=(16,), mode="eager"):
     """Compile and compare with eager; ``mode="eager"`` runs the segments uncompiled (fast), the GEMM
     steps and packed weights are the same as under Inductor."""
@@ -58,6 +69,7 @@ def _run(family, dtype, sockets, options, seqs=(16,), mode="eager"):
         for seq in seqs:
             inputs = zoo.example_inputs(model, batch=2, seq=seq)
             assert_close_to_eager(compiled(**inputs).logits, model(**inputs).logits, f"{family} seq {seq}")
+    _KEPT.append(compiled)
     return backend_of(compiled)
 
 
@@ -282,6 +294,7 @@ def test_generation_chooses_each_weights_providers_for_the_prompt_and_the_decode
         got = fast.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         want = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         assert torch.equal(got, want)
+        _KEPT.append(fast)
         return backend_of(fast)
 
     generate(4)   # measures every shape of the prompt (32 rows) and of a decode step (1 row)
