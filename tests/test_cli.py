@@ -126,7 +126,7 @@ def test_explain_weights_shows_each_weights_storage_and_the_bytes_per_socket(cli
                           "--keep-head")
     assert code == 0, err
     assert "weights int4:g32, LM head and embeddings float32" in text.splitlines()[0]
-    assert re.search(r"^16 x 64 x 96 +float32 +1 0,1 +2  int4:g32 +3\.88 KiB  q_dequant", text, re.MULTILINE), text
+    assert re.search(r"^16 x 64 x 96 +float32 +1 0,1 +2  int4:g32 +3\.88 KiB  (qgemv|qtile|q8_aten|q_dequant) ", text, re.MULTILINE), text
     # the LM head kept in float32 (a plain provider, whichever measured fastest)
     assert re.search(r"^16 x 64 x 256 +float32 +1 0,1 +1  float32 +64\.0 KiB  \w+", text, re.MULTILINE), text
     assert re.search(r"^weights as stored \(int4:g32, LM head and embeddings float32\) per socket: "

@@ -283,7 +283,7 @@ def _backend(compiled: Any) -> Any:
 def _not_through_numatp(step: int, prompt: int, padded: int, length: int) -> str:
     import torch._dynamo
 
-    from numatp.backend.entry import RECOMPILE_LIMIT
+    from numatp.backend.options import RECOMPILE_LIMIT
 
     tokens = f"{prompt} tokens" + (f", padded to {padded}" if padded > prompt else "")
     what = f"the prompt ({tokens})" if step == 0 else f"decode step {step}"

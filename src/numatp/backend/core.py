@@ -18,7 +18,7 @@ import torch
 from numatp.backend.options import AUTO_MEASURE, Options, resolve_topology
 from numatp.backend.policy import close_call, default_decider, runs_unsharded
 from numatp.backend.states import StateStore
-from numatp.backend.variants import CompiledGraph
+from numatp.backend.variants import RELEASED, CompiledGraph
 from numatp.backend.weights import WeightStore
 from numatp.plan.gemm_pass import Decode, GemmOptions, GemmSelector, QuantWeights, report_rows
 from numatp.plan.schema import Plan
@@ -187,10 +187,6 @@ class NumaTPBackend:
         built, measured and dropped), as ``report_rows`` gives them, each with its ``graph`` index."""
         return [dict(row, graph=i) for i, g in enumerate(self.graphs) for v in g.variants.values()
                 if v.executor is not None for row in report_rows(v.executor.gemm_choices)]
-
-
-RELEASED = ("this numatp-compiled model was released (collected, or its backend closed): its socket workers "
-            "and weight shards are gone; compile the model again")
 
 
 def _gemm_selector(gemm: bool | GemmOptions | None, quant: QuantWeights | None = None) -> GemmSelector | None:

@@ -24,7 +24,7 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
 from numatp.backend.core import NumaTPBackend
-from numatp.backend.options import AUTO_MEASURE, OPTION_NAMES, Options, unknown_names
+from numatp.backend.options import AUTO_MEASURE, OPTION_NAMES, RECOMPILE_LIMIT, Options, unknown_names
 from numatp.backend.registry import NOT_RUN, BackendOptionError, backend_of, compiled_by_numatp, numatp_backend
 from numatp.generate import generate
 from numatp.plan.schema import Plan
@@ -125,13 +125,6 @@ def _dequantize_torchao(model: torch.nn.Module) -> dict[str, Any]:
     log.info("numatp: %d torchao-quantized weights read as numatp's quantized shards (the model now holds "
              "their dequantized values)", len(imported))
     return imported
-
-
-RECOMPILE_LIMIT = 64
-"""Dynamo entries (input shapes) one ``numatp.compile`` may make, where torch takes a per-compile
-``recompile_limit`` (2.13 on): Dynamo's default of 8 is meant to catch a model that recompiles by
-mistake, while a model that generates compiles a prompt program per bucket and a decode program per
-cache length and batch, each a program numatp runs. The global limit stays as it is for other compiles."""
 
 
 def _isolated() -> dict[str, Any]:

@@ -14,11 +14,18 @@ from typing import Any
 from numatp.plan.gemm_pass import GemmOptions
 from numatp.topology import Topology, resolve_sockets
 
-__all__ = ["AUTO_MEASURE", "OPTION_NAMES", "POLICIES", "Options", "resolve_topology", "unknown_names"]
+__all__ = ["AUTO_MEASURE", "OPTION_NAMES", "POLICIES", "RECOMPILE_LIMIT", "Options", "resolve_topology",
+           "unknown_names"]
 
 AUTO_MEASURE = 0.15
 """policy "auto": where the cost model predicts the sharded and unsharded plans within this fraction of
 each other, build both and keep the one measured faster on the first call (0: trust the model alone)."""
+
+RECOMPILE_LIMIT = 64
+"""Dynamo entries (input shapes) one ``numatp.compile`` may make, where torch takes a per-compile
+``recompile_limit`` (2.13 on): Dynamo's default of 8 is meant to catch a model that recompiles by
+mistake, while a model that generates compiles a prompt program per bucket and a decode program per
+cache length and batch, each a program numatp runs. The global limit stays as it is for other compiles."""
 
 POLICIES = ("always", "never", "auto")
 MODES = ("inductor", "eager")

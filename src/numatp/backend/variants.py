@@ -62,6 +62,10 @@ class Backend(Protocol):
     def whole_machine(self) -> tuple[SocketGroup, WeightStore, StateStore]: ...
 
 
+RELEASED = ("this numatp-compiled model was released (collected, or its backend closed): its socket workers "
+            "and weight shards are gone; compile the model again")
+
+
 @dataclass
 class Variant:
     plan: Plan
@@ -139,7 +143,6 @@ class CompiledGraph:
 
     def __call__(self, *args: Any) -> Any:
         if self.released:
-            from numatp.backend.core import RELEASED
             raise RuntimeError(RELEASED)
         self.backend.calls += 1
         fast = self._fast
