@@ -34,6 +34,7 @@ client gone); its slot is free at the next step boundary.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import logging
 import math
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 
 from numatp.backend.registry import backend_of, compiled_by_numatp
-from numatp.generate import _GuardSkip, _warpers, static_cache
+from numatp.generate import _warpers, static_cache
 from numatp.runtime.group import callers_threads
 from numatp.serve.metrics import Metrics
 
@@ -150,6 +151,7 @@ class Engine:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self.forwards = 0
+        self._skip_guards = False
         self.resets = 0
 
     # ---- the callers' side (any thread) -------------------------------------------------------------------
@@ -234,9 +236,8 @@ class Engine:
                 # the loop's own ops run on this thread alone (see numatp.generate: a parallel op here wakes
                 # an OpenMP team that spins on the sockets' cores)
                 torch.set_num_threads(1)
-            guards = _GuardSkip()
             try:
-                self._warm_up(guards)
+                self._warm_up()
             except BaseException as e:   # noqa: B036 - handed to start(), which raises it
                 self._start_error = e
                 self._ready.set()
@@ -253,12 +254,19 @@ class Engine:
                         self._inbox.clear()
                     self._step()
             finally:
-                guards.__exit__(None, None, None)
                 self._cancel_all("cancelled")
 
-    def _warm_up(self, guards: _GuardSkip) -> None:
-        """Compile the chunk and step programs (twice each: the second runs under every guard, compiling
-        nothing, after which Dynamo's guards are skipped, as in numatp.generate), then reset the cache."""
+    def _warm_up(self) -> None:
+        """Compile the chunk and step programs, and run each once more: where that compiled nothing, every
+        later forward skips Dynamo's guards (as numatp.generate does from its fourth forward: thousands of
+        guards, ~1 ms a step on gpt2-medium; only the guards that tell the two programs apart still run).
+        The stance is process-wide, so it is set around each forward of the engine thread, not for its
+        life (another model compiling in the process meanwhile would be refused). Then reset the cache."""
+        from torch._dynamo.eval_frame import _stance
+        from torch._dynamo.utils import counters
+
+        usable = getattr(_stance, "stance", None) == "default" and not getattr(_stance, "skip_guard_eval_unsafe", True)
+        frames = None
         self._cache = static_cache(self.model, self.max_batch, self.cache_len, self.dtype)
         self._own = torch.zeros(self.max_batch, self.cache_len, dtype=torch.long)
         self._t = 0
@@ -269,7 +277,8 @@ class Engine:
         t0 = time.perf_counter()
         B, C = self.max_batch, self.chunk
         for i in range(2):
-            guards.step(2 * i)   # 0, then 2: frames compiled so far are counted before the second round
+            if i == 1:
+                frames = counters["frames"]["ok"]
             for shape in ((B, C), (B, 1)):
                 ids = torch.full(shape, self.pad, dtype=torch.long)
                 mask = torch.zeros(B, self.cache_len, dtype=torch.long)
@@ -285,7 +294,7 @@ class Engine:
                     self._forward(ids, mask, pos)
         if ahead is not None:
             ahead.__exit__(None, None, None)
-        guards.step(3)   # guards skipped from now on where the second round compiled nothing
+        self._skip_guards = usable and counters["frames"]["ok"] == frames
         self._reset()
         self.resets = 0
         log.info("numatp serve: compiled the prefill chunk (%d, %d) and the decode step (%d, 1) in %.1fs; these "
@@ -301,8 +310,11 @@ class Engine:
         """(B, vocab) fp32 logits of each row's last position; the clock advances by the call's length."""
         backend = self._backend() if self._numatp else None
         calls = backend.calls if backend is not None else None
-        out = self.compiled(input_ids=ids, attention_mask=mask, position_ids=pos,
-                            **{self._cache_arg: self._cache}, use_cache=True, logits_to_keep=1)
+        stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True) if self._skip_guards \
+            else contextlib.nullcontext()
+        with stance:
+            out = self.compiled(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                **{self._cache_arg: self._cache}, use_cache=True, logits_to_keep=1)
         self._t += ids.shape[1]
         self.forwards += 1
         if self._numatp:
@@ -316,12 +328,14 @@ class Engine:
 
     def _reset(self) -> None:
         """Clock to 0: the cache's lengths (and, through the backend, every socket's copy) reset, no slot owns
-        any position."""
-        self._cache.reset()
+        any position. The keys and values stay: no mask row shows them any more, and rewriting them all
+        would cost a copy of the whole cache."""
+        for layer in self._cache.layers:
+            layer.cumulative_length.zero_()
         if self._numatp:
             backend = self._backend()
             if backend is not None:
-                backend.reload_states()
+                backend.reload_states(replicated_only=True)
         self._own.zero_()
         self._t = 0
         self.resets += 1
@@ -338,23 +352,24 @@ class Engine:
         free = [i for i, s in enumerate(self._slots) if s is None]
         active = [i for i, s in enumerate(self._slots) if s is not None]
         try:
-            if self._waiting and free:
-                joiners = list(self._waiting)[:len(free)]
+            joiners = list(self._waiting)[:len(free)]
+            if joiners:
                 chunks = max(math.ceil(len(r.prompt) / self.chunk) for r in joiners)
-                if not active and self._t > 0 and self._t + chunks * self.chunk + 1 > self.cache_len:
-                    self._reset()
-                if self._t + chunks * self.chunk + 1 <= self.cache_len:
-                    for r in joiners:
-                        self._waiting.popleft()
-                    self._prefill(list(zip(free, joiners)), [])
+                if self._t + chunks * self.chunk + 1 > self.cache_len:
+                    left = max((self._remaining(i) for i in active), default=0)
+                    if not active or self._t + left > self.cache_len or left > self.chunk:
+                        # waiting for the active sequences would be long: reset now, re-prefill them with the joiners
+                        self._join(joiners, active, reset=True)
+                        return
+                    joiners = []   # drain: the active sequences finish within chunk steps, then the joiners come
+                if joiners:
+                    self._join(joiners, [])
                     return
             if not active:
                 return
             if self._t + 1 > self.cache_len:
-                # the cache is full: reset and re-prefill the active sequences (recompute), with the waiting ones
-                rejoin = [(i, self._slots[i]) for i in active]
-                self._reset()
-                self._prefill([], rejoin)   # type: ignore[arg-type]
+                # the cache is full: reset and re-prefill the active sequences (recompute)
+                self._join([], active, reset=True)
                 return
             self._decode(active, now)
         except Exception as e:   # a failed forward fails the requests in it, never the engine
@@ -365,6 +380,21 @@ class Engine:
                     slot.request.finish_reason = "error"
                     self._deliver(slot.request, "error", f"{type(e).__name__}: {e}")
             self._reset()
+
+    def _remaining(self, i: int) -> int:
+        slot = self._slots[i]
+        assert slot is not None
+        return slot.request.max_tokens - len(slot.request.generated)
+
+    def _join(self, joiners: list[Request], rejoin: list[int], reset: bool = False) -> None:
+        """Prefill ``joiners`` into free slots, and re-prefill the sequences of the active slots ``rejoin``
+        (after a ``reset``, all of them)."""
+        if reset:
+            self._reset()
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        for _ in joiners:
+            self._waiting.popleft()
+        self._prefill(list(zip(free, joiners)), [(i, self._slots[i]) for i in rejoin])  # type: ignore[misc]
 
     def _rows(self) -> tuple[torch.Tensor, list[int]]:
         idle = [i for i, s in enumerate(self._slots) if s is None]
