@@ -275,7 +275,10 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any = None) -> Fas
                                          "token_ids": new})
                     if finish is not None:
                         last: dict[str, Any] = {"index": 0, "finish_reason": finish}
-                        last.update({"delta": {}} if chat else {"text": "", "logprobs": None})
+                        if chat:
+                            last["delta"] = {}
+                        else:
+                            last.update(text="", logprobs=None)
                         yield chunk(last)
                         if usage_too:
                             data = {"id": rid, "object": obj + ".chunk" if chat else obj, "created": int(time.time()),
