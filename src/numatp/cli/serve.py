@@ -33,6 +33,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="tokens per request, prompt + max_tokens (the context; default 1024, at most the model's)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait beyond the busy slots before 429 (default 64)")
+    p.add_argument("--cache-len", type=int, default=None,
+                   help="KV cache positions per slot (default --max-len + --chunk); more means fewer cache resets, "
+                   "since every prompt that joins advances the shared position by its length")
     p.add_argument("--chunk", type=int, default=32, help="prefill chunk length in tokens (default 32)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     fast = numatp.compile(model, sockets=topo, weights=args.weights, mode=args.mode)
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     engine = Engine(fast, max_batch=args.max_batch, max_len=args.max_len, chunk=args.chunk,
-                    max_queue=args.max_queue, pad_token_id=pad)
+                    cache_len=args.cache_len, max_queue=args.max_queue, pad_token_id=pad)
     _say(f"compiling the prefill chunk ({args.max_batch}, {args.chunk}) and the decode step ({args.max_batch}, 1) "
          f"on {topo.num_sockets} sockets")
     engine.start()

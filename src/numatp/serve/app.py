@@ -5,7 +5,8 @@ Endpoints: ``POST /v1/completions`` (a prompt as text or as a list of token ids)
 server-sent events in OpenAI's chunk format ending with ``data: [DONE]``; ``GET /v1/models``, ``/health``
 and ``/metrics`` (Prometheus text, :mod:`numatp.serve.metrics`). Parameters as OpenAI names them:
 ``max_tokens`` (``max_completion_tokens`` for chat), ``temperature`` (0: greedy), ``top_p``, ``seed``,
-``stop`` (strings, matched on the decoded text), ``stream``, ``stream_options.include_usage``.
+``stop`` (strings, matched on the decoded text), ``stream``, ``stream_options.include_usage``, and
+``ignore_eos`` (vLLM's and llama-server's: generate ``max_tokens`` whatever the tokens, for benchmarks).
 
 Handlers only parse, tokenize, submit and stream: the engine thread runs every forward. Each choice also
 carries ``token_ids`` (the generated ids; a model served without a tokenizer returns empty text and its
@@ -178,6 +179,9 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any = None) -> Fas
             raise ApiError(400, "stop must be a non-empty string or a list of up to 4 of them", "stop")
         if stops and tokenizer is None:
             raise ApiError(400, f"stop strings are matched on text, and model {model_name!r} has no tokenizer", "stop")
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise ApiError(400, f"ignore_eos={ignore_eos!r}: must be true or false", "ignore_eos")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise ApiError(400, f"stream={stream!r}: must be true or false", "stream")
@@ -190,7 +194,8 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any = None) -> Fas
         def on_event(kind: str, value: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-        req = Request(ids, max_tokens, on_event, temperature=temperature, top_p=top_p, seed=seed)
+        req = Request(ids, max_tokens, on_event, temperature=temperature, top_p=top_p, seed=seed,
+                      ignore_eos=ignore_eos)
         try:
             engine.submit(req)
         except RequestError as e:

@@ -3,10 +3,10 @@
 The :class:`Engine` owns the compiled model: every forward runs on its one thread (HTTP handlers only
 :meth:`Engine.submit` requests and read their events), so the socket group never sees two callers.
 
-The cache is transformers' ``StaticCache`` of ``B`` rows and ``max_len + chunk`` positions (the extra
-``chunk`` lets a sequence of ``max_len`` tokens be re-prefilled after a reset, see below). It writes every
-row at the same position (the layers' ``cumulative_length``), so the engine keeps one clock ``t``, the
-next cache position, and per slot the cache positions it owns: slot ``i`` sees row ``i`` of the (B, L)
+The cache is transformers' ``StaticCache`` of ``B`` rows and ``cache_len`` positions (at least ``max_len +
+chunk``: the extra ``chunk`` lets a sequence of ``max_len`` tokens be re-prefilled after a reset, see
+below). It writes every row at the same position (the layers' ``cumulative_length``), so the engine
+keeps one clock ``t``, the next cache position, and per slot the cache positions it owns: slot ``i`` sees row ``i`` of the (B, L)
 attention mask, 1 exactly at the positions its tokens were written to, and its own ``position_ids`` (the
 token's place in its sequence). Causality comes from the cache position, the rest from the mask, so rows
 of different lengths and ages share every call.
@@ -19,11 +19,12 @@ The model sees two input shapes, so two programs are compiled, whatever the requ
   right-aligned so that several joiners at one step boundary share the calls and finish together; every
   other row carries pad tokens that its mask hides from it afterwards. The clock advances ``chunk`` a call.
 
-Joining happens at a step boundary. When the joiners' chunks do not fit in the positions left, joins stop
-(the cache drains) and the active slots decode on; when the clock reaches the end of the cache with slots
-still active, the cache is reset (clock 0) and each active sequence is re-prefilled from its prompt and
-the tokens it has generated so far (recompute preemption; its output is unchanged up to rounding), together
-with the waiting joiners. A request's prompt + ``max_tokens`` is at most ``max_len``, so after a reset
+Joining happens at a step boundary. When the joiners' chunks do not fit in the positions left: if every
+active sequence finishes within ``chunk`` more steps (and the cache), joins wait for them (the cache
+drains); otherwise the cache is reset now (clock 0) and each active sequence is re-prefilled from its
+prompt and the tokens it has generated so far (recompute preemption; its greedy tokens are those of a run
+without the reset, up to rounding), together with the joiners. A clock that reaches the end of the cache
+with slots active resets the same way. A request's prompt + ``max_tokens`` is at most ``max_len``, so after a reset
 its re-prefill (padded by at most ``chunk - 1``) and its remaining tokens always fit.
 
 Sampling is per request (temperature, top_p, a ``torch.Generator`` seeded by the request's seed), greedy
@@ -85,6 +86,7 @@ class Request:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    ignore_eos: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -109,12 +111,14 @@ class _Slot:
 class Engine:
     """Continuous batching over ``compiled`` (a model compiled by ``numatp.compile``, or any compiled model
     for testing) with ``max_batch`` slots, a context of ``max_len`` tokens per request (prompt + new tokens),
-    prefill chunks of ``chunk`` tokens and at most ``max_queue`` requests waiting beyond the free slots.
+    prefill chunks of ``chunk`` tokens, a cache of ``cache_len`` positions (default ``max_len + chunk``; more
+    means fewer resets: every join advances the shared clock by its padded prompt) and at most
+    ``max_queue`` requests waiting beyond the free slots.
     :meth:`start` compiles the two programs and starts the engine thread; :meth:`stop` ends it."""
 
     def __init__(self, compiled: Any, *, max_batch: int = 8, max_len: int = 1024, chunk: int = 32,
-                 max_queue: int = 64, eos_token_ids: list[int] | None = None, pad_token_id: int | None = None,
-                 metrics: Metrics | None = None):
+                 cache_len: int | None = None, max_queue: int = 64, eos_token_ids: list[int] | None = None,
+                 pad_token_id: int | None = None, metrics: Metrics | None = None):
         for name, value in (("max_batch", max_batch), ("max_len", max_len), ("chunk", chunk)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: must be an integer >= 1")
@@ -129,7 +133,10 @@ class Engine:
             raise ValueError(f"max_len={max_len}: the model has {limit} positions (max_position_embeddings); "
                              f"pass --max-len {limit} or less")
         self.max_batch, self.max_len, self.chunk, self.max_queue = max_batch, max_len, chunk, max_queue
-        self.cache_len = max_len + chunk
+        self.cache_len = cache_len if cache_len is not None else max_len + chunk
+        if self.cache_len < max_len + chunk:
+            raise ValueError(f"cache_len={cache_len}: must be at least max_len + chunk ({max_len + chunk}), so that a "
+                             "sequence of max_len tokens can be prefilled again after a reset")
         gen = self.model.generation_config
         eos = eos_token_ids if eos_token_ids is not None else gen.eos_token_id
         self.eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
@@ -476,7 +483,7 @@ class Engine:
             r._last_token_at = now
             self.metrics.generated_tokens(1)
             self._deliver(r, "token", token)
-            if token in self.eos:
+            if token in self.eos and not r.ignore_eos:
                 self._finish(i, "stop")
             elif len(r.generated) >= r.max_tokens:
                 self._finish(i, "length")
