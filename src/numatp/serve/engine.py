@@ -4,12 +4,12 @@ The :class:`Engine` owns the compiled model: every forward runs on its one threa
 :meth:`Engine.submit` requests and read their events), so the socket group never sees two callers.
 
 The cache is transformers' ``StaticCache`` of ``B`` rows and ``cache_len`` positions (at least ``max_len +
-chunk``: the extra ``chunk`` lets a sequence of ``max_len`` tokens be re-prefilled after a reset, see
-below). It writes every row at the same position (the layers' ``cumulative_length``), so the engine
-keeps one clock ``t``, the next cache position, and per slot the cache positions it owns: slot ``i`` sees row ``i`` of the (B, L)
-attention mask, 1 exactly at the positions its tokens were written to, and its own ``position_ids`` (the
-token's place in its sequence). Causality comes from the cache position, the rest from the mask, so rows
-of different lengths and ages share every call.
+chunk``: the extra ``chunk`` lets a sequence of ``max_len`` tokens be re-prefilled after a reset, see below).
+It writes every row at the same position (the layers' ``cumulative_length``), so the engine keeps one clock
+``t``, the next cache position, and per slot the cache positions it owns: slot ``i`` sees row ``i`` of the (B,
+L) attention mask, 1 exactly at the positions its tokens were written to, and its own ``position_ids`` (the
+token's place in its sequence). Causality comes from the cache position, the rest from the mask, so rows of
+different lengths and ages share every call.
 
 The model sees two input shapes, so two programs are compiled, whatever the requests:
 
