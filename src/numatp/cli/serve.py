@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["add_parser", "run"]
 
@@ -128,9 +130,34 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, model_name=name, tokenizer=tokenizer)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=int(args.shutdown_timeout))
-    server = uvicorn.Server(config)
+    server = _server_class(uvicorn)(config)
     _say(f"serving {name!r} ({'text and token ids' if tokenizer is not None else 'token ids: no tokenizer'}) "
          f"on http://{args.host}:{args.port} with {args.max_batch} slots of {args.max_len} tokens")
     server.run()
     engine.stop(timeout=args.shutdown_timeout)
+    _say("stopped")
     return 0
+
+
+def _server_class(uvicorn: Any) -> Any:
+    """uvicorn's Server, except that SIGTERM and SIGINT end it without being raised again afterwards (uvicorn
+    re-raises them once shut down, so the process would die by the signal): the engine is stopped after it,
+    and a graceful stop exits 0."""
+    import contextlib
+    import signal
+    import threading
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            saved = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in saved.items():
+                    signal.signal(sig, handler)
+
+    return Server

@@ -208,9 +208,10 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any = None) -> Fas
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         obj = "chat.completion" if chat else "text_completion"
 
+        sent: list[int] = []   # tokens given to the client (not those made after a stop string, before it left)
+
         def usage() -> dict[str, int]:
-            return {"prompt_tokens": len(ids), "completion_tokens": len(req.generated),
-                    "total_tokens": len(ids) + len(req.generated)}
+            return {"prompt_tokens": len(ids), "completion_tokens": len(sent), "total_tokens": len(ids) + len(sent)}
 
         async def next_piece() -> tuple[str, list[int], str | None]:
             """Text and token ids since the last call, and the finish reason once done."""
@@ -219,6 +220,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any = None) -> Fas
                 kind, value = await events.get()
                 if kind == "token":
                     new.append(value)
+                    sent.append(value)
                     if text.add(value):   # a stop string: leave now
                         req.cancel()
                         return text.take(), new, "stop"

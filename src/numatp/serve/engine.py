@@ -259,7 +259,10 @@ class Engine:
                             break
                         self._waiting.extend(self._inbox)
                         self._inbox.clear()
-                    self._step()
+                    try:
+                        self._step()
+                    except Exception:   # a fault of the engine's own bookkeeping: logged, the thread goes on
+                        log.exception("numatp serve: an engine step failed")
             finally:
                 self._cancel_all("cancelled")
 
