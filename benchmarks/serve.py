@@ -160,6 +160,7 @@ def main() -> int:
     p.add_argument("--max-len", type=int, default=None, help="default: prompt + new tokens")
     p.add_argument("--cache-len", type=int, default=None, help="numatp serve --cache-len")
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--mode", default=None, help="numatp serve --mode (eager: a quick check of this script)")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -191,7 +192,7 @@ def main() -> int:
                    "--max-batch", str(args.max_batch), "--max-len", str(args.max_len),
                    "--max-queue", str(4 * max(args.streams))]
             for flag, value in (("--sockets", args.sockets), ("--weights", args.weights),
-                                ("--cache-len", args.cache_len)):
+                                ("--cache-len", args.cache_len), ("--mode", args.mode)):
                 if value is not None:
                     cmd += [flag, str(value)]
             if args.tiny:
