@@ -214,7 +214,7 @@ def main() -> int:
             ctx = args.max_batch * (args.max_len + 16)
             procs.append(subprocess.Popen([args.llama_server, "-m", args.gguf, "--port", str(port), "-np",
                                            str(args.max_batch), "-c", str(ctx), "-t", str(args.threads),
-                                           "--cont-batching", "--no-webui"],
+                                           "--no-webui"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             url = f"http://127.0.0.1:{port}"
             _wait_up(url, procs[-1], 600)
