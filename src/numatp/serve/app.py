@@ -58,7 +58,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any = None) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if engine._thread is None:
+        if not engine.started:
             await asyncio.get_running_loop().run_in_executor(None, engine.start)
         yield
         engine.stop_accepting()
@@ -86,7 +86,7 @@ def create_app(engine: Engine, *, model_name: str, tokenizer: Any = None) -> Fas
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok = engine._thread is not None and engine._thread.is_alive() and engine._accepting
+        ok = engine.serving
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -210,6 +210,15 @@ class Engine:
     def queued(self) -> int:
         return len(self._waiting) + len(self._inbox)
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def serving(self) -> bool:
+        """The engine thread runs and takes requests."""
+        return self._thread is not None and self._thread.is_alive() and self._accepting
+
     def start(self) -> None:
         """Compile the two programs (a prefill chunk and a decode step) and start the engine thread; returns
         when it is ready to serve (raises what compiling raised)."""
