@@ -80,8 +80,10 @@ class Served:
         from numatp.serve.app import create_app
 
         fresh_dynamo()
+        # the reference generates with a twin (the same seeded weights): transformers' generate sets
+        # attributes on the model it runs, which the served model's guards would see
         self.model = zoo.build("gpt2", tiny=True)
-        fast = numatp.compile(self.model, sockets=shared_cpu_topology(2), mode="eager")
+        fast = numatp.compile(zoo.build("gpt2", tiny=True), sockets=shared_cpu_topology(2), mode="eager")
         self.engine = Engine(fast, max_batch=SLOTS, max_len=MAX_LEN, chunk=16, max_queue=16)
         self.engine.start()
         self.tokenizer = _tokenizer()
