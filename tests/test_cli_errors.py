@@ -187,7 +187,7 @@ def test_debug_shows_the_traceback(where):
 
 # -- start-up: --help and commands without a model do not import torch -----------------------------------
 
-COMMANDS = ("demo", "generate", "topo", "explain", "bench", "report", "calibrate", "predict")
+COMMANDS = ("demo", "generate", "serve", "topo", "explain", "bench", "report", "calibrate", "predict")
 
 
 @pytest.mark.parametrize("command", [None, *COMMANDS])

@@ -142,15 +142,16 @@ class NumaTPBackend:
         self.names = None
         self.closed = True
 
-    def reload_states(self) -> None:
+    def reload_states(self, replicated_only: bool = False) -> None:
         """Copy the caller's state tensors (a cache just reset) into every socket's copy again, once no
-        worker of an earlier call cut short (an interrupt) can still write them."""
+        worker of an earlier call cut short (an interrupt) can still write them (``replicated_only``: the
+        cache's lengths alone, :meth:`StateStore.reload`)."""
         if self._group is not None:
             self._group.settle()
-        self.states.reload()
+        self.states.reload(replicated_only)
         if self._whole is not None:
             self._whole[0].settle()
-            self._whole[2].reload()
+            self._whole[2].reload(replicated_only)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -86,10 +86,14 @@ class StateStore:
         with torch.no_grad():
             torch._foreach_copy_(users, [made[(id(u), 0, 0)][0] for u in users])
 
-    def reload(self) -> None:
-        """Copy the caller's values into every socket's copy of every state again."""
+    def reload(self, replicated_only: bool = False) -> None:
+        """Copy the caller's values into every socket's copy of every state again (``replicated_only``: of
+        the replicated ones alone, the cache's lengths: a reset that leaves stale keys and values behind the
+        attention mask, as the server's cache does)."""
         with torch.no_grad():
             for key, (local, placement) in self._made.items():
+                if replicated_only and key[1] != 0:
+                    continue
                 source = self._sources[key[0]]()
                 if source is not None:
                     local.copy_(shard_tensor(source.detach(), placement, key[2]))

@@ -20,7 +20,8 @@ from typing import TextIO
 __all__ = ["build_parser", "main"]
 
 # Subcommand modules of this package, in the order ``numatp --help`` lists them.
-_COMMANDS: tuple[str, ...] = ("demo", "generate", "topo", "explain", "bench", "report", "calibrate", "predict")
+_COMMANDS: tuple[str, ...] = ("demo", "generate", "serve", "topo", "explain", "bench", "report", "calibrate",
+                             "predict")
 
 # What a bad argument raises inside a command: a name or path that names nothing (ValueError, OSError),
 # a model too large for this machine (MemoryError). Anything else is a fault of numatp, reported in one
