@@ -144,6 +144,7 @@ def _sse(url: str, body: dict) -> tuple[list[dict], list[str]]:
 
 
 @pytest.mark.integration
+@pytest.mark.slow   # the live server's module fixture compiles and starts it (~20 s)
 def test_completion_through_the_openai_client_equals_solo_generate(served):
     prompt = _prompt(1)
     out = served.client().completions.create(model="tiny-gpt2", prompt=prompt, max_tokens=12, temperature=0)
@@ -158,6 +159,7 @@ def test_completion_through_the_openai_client_equals_solo_generate(served):
 
 
 @pytest.mark.integration
+@pytest.mark.slow   # the live server's module fixture compiles and starts it (~20 s)
 def test_16_concurrent_clients_each_equal_its_solo_output(served):
     jobs = [(_prompt(100 + k), 4 + (7 * k) % 21, k % 2 == 0) for k in range(16)]
 
@@ -182,6 +184,7 @@ def test_16_concurrent_clients_each_equal_its_solo_output(served):
 
 
 @pytest.mark.integration
+@pytest.mark.slow   # the live server's module fixture compiles and starts it (~20 s)
 def test_streaming_is_openai_chunks_ending_with_done(served):
     prompt = _prompt(2)
     chunks, lines = _sse(served.url + "/v1/completions", dict(model="tiny-gpt2", prompt=prompt, max_tokens=6,
@@ -200,6 +203,7 @@ def test_streaming_is_openai_chunks_ending_with_done(served):
 
 
 @pytest.mark.integration
+@pytest.mark.slow   # the live server's module fixture compiles and starts it (~20 s)
 def test_text_prompt_chat_and_stop_string_through_a_tokenizer(served):
     tok = served.tokenizer
     client = served.client(text=True)
@@ -231,6 +235,7 @@ def test_text_prompt_chat_and_stop_string_through_a_tokenizer(served):
 
 
 @pytest.mark.integration
+@pytest.mark.slow   # the live server's module fixture compiles and starts it (~20 s)
 def test_each_error_is_openai_json_naming_the_field(served):
     import httpx
     import openai
@@ -267,6 +272,7 @@ def test_each_error_is_openai_json_naming_the_field(served):
 
 
 @pytest.mark.integration
+@pytest.mark.slow   # the live server's module fixture compiles and starts it (~20 s)
 def test_a_client_that_disconnects_frees_its_slot_and_a_full_queue_is_429(served):
     import httpx
 
@@ -319,6 +325,7 @@ def test_a_client_that_disconnects_frees_its_slot_and_a_full_queue_is_429(served
 
 
 @pytest.mark.integration
+@pytest.mark.slow   # the live server's module fixture compiles and starts it (~20 s)
 def test_models_health_and_metrics(served):
     import httpx
 
