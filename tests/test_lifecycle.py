@@ -22,6 +22,17 @@ from tests.helpers import fresh_dynamo, shared_cpu_topology
 
 pytestmark = pytest.mark.integration
 
+
+@pytest.fixture(autouse=True)
+def _python_sigint_handler():
+    """Python's own SIGINT handler (KeyboardInterrupt) during each test, whatever an earlier test or library
+    in the process installed: these tests interrupt on purpose and expect the KeyboardInterrupt."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
 gen = importlib.import_module("numatp.generate")   # numatp.generate is also the function
 NEW = 12
 
@@ -85,12 +96,7 @@ def test_an_interrupt_at_any_moment_leaves_the_model_usable(fast, how):
     span = time.perf_counter() - t0
     main = threading.main_thread().ident
     fire = (lambda: signal.pthread_kill(main, signal.SIGINT)) if how == "signal" else _thread.interrupt_main
-    # Python's own SIGINT handler (KeyboardInterrupt), whatever an earlier test in the process installed
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        interrupted, threads = _interrupt_generations(fast, ids, expected, span, fire)
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    interrupted, threads = _interrupt_generations(fast, ids, expected, span, fire)
     assert interrupted >= 6 and threading.active_count() == threads
 
 
