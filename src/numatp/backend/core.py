@@ -159,7 +159,8 @@ class NumaTPBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         self._check_open()
-        if any(type(a).__module__.split(".")[0] == "torchao" for a in example_inputs):
+        from numatp.quant.torchao import is_torchao
+        if any(map(is_torchao, example_inputs)):
             raise ValueError("this model holds torchao-quantized weights, which numatp reads into its own quantized "
                              "shards when it sees the model: compile it with numatp.compile(model) instead of "
                              "torch.compile(model, backend='numatp')")

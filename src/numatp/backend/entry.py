@@ -117,9 +117,10 @@ def _dequantize_torchao(model: torch.nn.Module) -> dict[str, Any]:
     their dequantized values (so that it traces and plans as a plain model), and the values returned by
     parameter name, from which the weight store cuts each socket's quantized shard
     (:mod:`numatp.quant.torchao`; a torchao format numatp cannot shard is an error naming it)."""
-    if not any(type(p).__module__.split(".")[0] == "torchao" for p in model.parameters()):
+    from numatp.quant.torchao import dequantized, is_torchao
+
+    if not any(map(is_torchao, model.parameters())):
         return {}
-    from numatp.quant.torchao import dequantized
 
     imported = dequantized(model)
     log.info("numatp: %d torchao-quantized weights read as numatp's quantized shards (the model now holds "

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import torch
 
-__all__ = ["SUPPORTED", "TorchaoFormatError", "TorchaoWeight", "dequantized", "extract"]
+__all__ = ["SUPPORTED", "TorchaoFormatError", "TorchaoWeight", "dequantized", "extract", "is_torchao"]
 
 SUPPORTED = ("torchao.quantization.Int8WeightOnlyConfig() (per row or per tensor), "
              "torchao.prototype.quantization.int4.PrototypeInt4WeightOnlyConfig(group_size=32, 64 or 128) "
@@ -95,7 +95,8 @@ class TorchaoWeight:
         return torch.addcmul(zeros, centred, scales).to(self.dtype)   # one FMA, as the CPU int4 kernel
 
 
-def _is_torchao(value: Any) -> bool:
+def is_torchao(value: Any) -> bool:
+    """Whether ``value`` is a torchao tensor (by its class's module: torchao is never imported here)."""
     return isinstance(value, torch.Tensor) and type(value).__module__.split(".")[0] == "torchao"
 
 
@@ -107,7 +108,7 @@ def extract(module: torch.nn.Module) -> dict[str, TorchaoWeight]:
     read: dict[int, TorchaoWeight] = {}
     layouts: dict[int, str] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        if not _is_torchao(param):
+        if not is_torchao(param):
             continue
         if id(param) not in read:
             read[id(param)] = _read(name, param, layouts)
