@@ -137,6 +137,14 @@ def test_each_socket_holds_only_its_kv_heads_and_the_callers_cache_is_not_writte
     assert all(not layer.keys.any() for layer in cache.layers)
     padded = -(-ids.shape[1] // PROMPT_BUCKET) * PROMPT_BUCKET   # the prompt as it ran, left-padded
     assert all(int(layer.cumulative_length) == padded + 3 for layer in cache.layers)
+    # every socket's weights and cache copies keep a C++ reference besides their Python objects, so a
+    # compiled segment dropping its own never takes the GIL (runtime.segments.keep_cpp_references)
+    variants = [v for g in backend_of(fast).graphs for v in g.variants.values() if v.weights]
+    assert variants
+    for v in variants:
+        local = [t for w in v.weights for t in w if isinstance(t, torch.Tensor)]
+        assert local and all(t._use_count() >= 2 for t in local)
+    assert all(t._use_count() >= 2 for rank in range(2) for t in states.tensors(rank))
 
 
 def test_sampling_follows_the_same_random_draws_as_eager():

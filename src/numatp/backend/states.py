@@ -16,12 +16,15 @@ tensors (so that ``cache.get_seq_length()`` stays right); the sharded K/V stay o
 from __future__ import annotations
 
 import weakref
+from typing import Any
+
 import torch
 
 from numatp.placement import numa_clone
 from numatp.plan.localize import Binding
 from numatp.plan.reference import shard_tensor
 from numatp.plan.schema import Placement, Replicate
+from numatp.runtime.segments import keep_cpp_references
 from numatp.topology import Topology
 
 __all__ = ["StateStore"]
@@ -36,6 +39,7 @@ class StateStore:
         # is a small int standing for a placement (0: replicated), so that a decode step's lookups hash
         # ints, not placements
         self._made: dict[tuple, tuple[torch.Tensor, Placement]] = {}
+        self._held: dict[tuple, Any] = {}   # a C++ reference to each copy (runtime.segments.keep_cpp_references)
         self._sources: dict[int, weakref.ref] = {}
         self._layouts: dict[int, int] = {}   # how each caller tensor is split: its layout code
         self._codes: dict[Placement, int] = {}
@@ -70,6 +74,7 @@ class StateStore:
                     "same cache sharded differently); the sockets' copies would disagree. Compile with "
                     "policy='never', or report the model")
             made = self._made[(id(user), code, rank)] = (self._copy(user, b.placement, rank), b.placement)
+            self._held[(id(user), code, rank)] = keep_cpp_references([made[0]])
         return made[0]
 
     def _copy(self, user: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
@@ -103,6 +108,7 @@ class StateStore:
         self._layouts.pop(ident, None)
         for key in [k for k in self._made if k[0] == ident]:
             del self._made[key]
+            self._held.pop(key, None)
 
     @property
     def nbytes(self) -> list[int]:

@@ -26,7 +26,7 @@ from numatp.progress import inputs_text, step
 from numatp.runtime.executor import ShardedExecutor
 from numatp.plan.gemm_pass import GemmSelector
 from numatp.runtime.group import SocketGroup
-from numatp.runtime.segments import SegmentCompiler
+from numatp.runtime.segments import SegmentCompiler, keep_cpp_references
 from numatp.topology import Topology
 
 __all__ = ["Backend", "CompiledGraph", "Variant"]
@@ -85,6 +85,7 @@ class Variant:
         self._inputs = [[(i, bd.index) for i, bd in enumerate(b) if bd.placement is None] for b in self.bindings]
         self._states = [[(i, bd, self.states.code(bd.placement)) for i, bd in enumerate(b) if bd.state]
                         for b in self.bindings]
+        self._held = [keep_cpp_references(w) for w in self.weights or []]
 
     def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
         """Each socket's program arguments: the weights made at build time, this call's activations, and

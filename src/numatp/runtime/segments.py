@@ -102,6 +102,19 @@ def place(out: torch.Tensor, shard: torch.Tensor, dim: int, s: Any) -> None:
         pos += hi - lo
 
 
+def keep_cpp_references(tensors: list[Any]) -> Any:
+    """One more C++ reference to each tensor of ``tensors``, held as long as the returned object lives.
+
+    A compiled segment (``cpp_wrapper``) takes a new reference to each input and drops it when done with
+    it. Where that leaves only the tensor's Python object holding it, PyTorch releases the Python object's
+    reference (``TensorImpl::decref_pyobject``), which takes the GIL: every socket would take the GIL once
+    per weight per call, at the same moments as its peers, and wait for them (measured: about a fifth of a
+    decode step's time outside the GEMMs). With one more C++ reference for the program's lifetime (its
+    weights, the sockets' cache copies), dropping the segment's leaves the Python object alone.
+    """
+    return torch._C.ScriptList([t for t in tensors if isinstance(t, torch.Tensor)])
+
+
 class SegmentCompiler:
     """Compile segments with Inductor's C++ backend; identical segments share one compiled callable.
 
