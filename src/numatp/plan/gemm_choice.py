@@ -23,7 +23,8 @@ import torch
 
 from numatp.runtime.gemm import PROVIDERS, GemmShape, PackInfo, decode_shape, usable_rates
 
-__all__ = ["DEFAULT_PROVIDERS", "Decode", "GemmChoice", "GemmOptions", "Prior", "best_provider", "choose"]
+__all__ = ["DEFAULT_PROVIDERS", "Decode", "GemmChoice", "GemmOptions", "Prior", "best_provider", "choose",
+           "measured_seconds"]
 
 
 DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32", "gemv", "qgemv", "qtile",
@@ -119,6 +120,19 @@ class GemmChoice:
     nbytes: dict[str, int] = field(default_factory=dict)   # placeholder -> bytes of its quantized shard
 
 
+def measured_seconds(rates: Mapping[GemmShape, Any], provider: str, sites: Sequence[Any], *,
+                     runnable: bool = False) -> float:
+    """The time ``provider`` takes over ``sites`` (each with a ``shape``) at the rates of the table
+    ``rates``: inf where a site's shape has no usable rate for it, or (``runnable``) one it cannot run."""
+    total = 0.0
+    for s in sites:
+        rate = usable_rates(rates.get(s.shape)).get(provider)
+        if rate is None or (runnable and not PROVIDERS[provider].runs(s.shape)):
+            return float("inf")
+        total += s.shape.flops / (rate * 1e9)
+    return total
+
+
 def best_provider(rates: Mapping[str, float], allowed: Sequence[str], *, margin: float = 1.05) -> str:
     """The fastest allowed provider; ``aten`` (the unchanged graph) unless another beats a measured ``aten``
     by ``margin``. Only usable rates count (positive, finite): without one for ``aten`` nothing is
@@ -206,13 +220,7 @@ class _Chooser:
 
     def seconds(self, provider: str, sites: Sequence[Site]) -> float:
         """Measured time of ``provider`` over ``sites`` (inf where it has no usable rate)."""
-        total = 0.0
-        for s in sites:
-            rate = usable_rates(self.rates.get(s.shape)).get(provider)
-            if rate is None:
-                return float("inf")
-            total += s.shape.flops / (rate * 1e9)
-        return total
+        return measured_seconds(self.rates, provider, sites)
 
     def decide_with_decode(self, sites: Sequence[Site], room: int) -> tuple[str, str | None, bool]:
         """A prompt's provider for a weight, the decode steps' provider where they differ, and whether the

@@ -38,7 +38,7 @@ import torch
 import torch.fx
 
 from numatp.progress import step as progress_step
-from numatp.plan.gemm_choice import Decode, GemmChoice, GemmOptions, Prior, choose, decode_shapes
+from numatp.plan.gemm_choice import Decode, GemmChoice, GemmOptions, Prior, choose, decode_shapes, measured_seconds
 from numatp.plan.gemm_sites import Site, find_sites
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, MachineFacts, PackInfo,
                                  PreparedOperands, Provider, measure_missing, stand_in, streams, usable_rates)
@@ -312,7 +312,7 @@ class GemmSelector:
                     prov = self.options.force if PROVIDERS[self.options.force].weights and \
                         all(PROVIDERS[self.options.force].runs(s.shape) for s in group_sites) else "q_dequant"
                 else:
-                    timed = {p: self._seconds(p, group_sites) for p in providers}
+                    timed = {p: measured_seconds(self.table, p, group_sites, runnable=True) for p in providers}
                     prov = min(timed, key=lambda p: timed[p])
                     if timed[prov] == float("inf"):
                         # nothing measured usable: the reference kernel reads any format at any rows
@@ -373,16 +373,6 @@ class GemmSelector:
             gm.graph.lint()
             gm.recompile()
         return shared
-
-    def _seconds(self, provider: str, sites: list[Site]) -> float:
-        """Measured time of ``provider`` over ``sites`` (inf where it has no usable rate or cannot run one)."""
-        total = 0.0
-        for s in sites:
-            r = usable_rates(self.table.get(s.shape)).get(provider)
-            if r is None or not PROVIDERS[provider].runs(s.shape):
-                return float("inf")
-            total += s.shape.flops / (r * 1e9)
-        return total
 
     def _planned_for(self, arg: Any) -> tuple[bool, str | None]:
         """Whether a program reads ``arg`` as its plain operand, and the decode provider planned for it."""
