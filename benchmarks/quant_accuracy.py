@@ -14,6 +14,11 @@ tokens), and the greedy agreement over ``--new-tokens`` tokens (the share of pos
 disagreement and after it, where the quantized model's greedy token equals the float32 model's, both fed
 the float32 model's tokens: teacher-forced, so one early flip does not decide the rest).
 
+Beside numatp's formats, one reference row: llama.cpp's Q8_0 (blocks of 32 weights along the input,
+one float16 scale each: the block's largest magnitude over 127), applied to the same weights numatp
+quantizes in int8 (every weight matmul, the LM head and the embedding tables) and run eagerly: the error
+the format people run on CPUs today gives on the same random weights, to read numatp's rows against.
+
 Presets carry random weights (no downloads here), whose logits are flatter than a trained model's:
 greedy agreement on them is a lower bound of what trained weights give.
 
@@ -27,15 +32,35 @@ import json
 import sys
 
 
+def q8_0(w):
+    """``w`` (N, K) through llama.cpp's Q8_0 and back: per block of 32 along K, scale = max |w| / 127
+    stored as float16, values round(w / scale) (K padded with zeros to a multiple of 32)."""
+    import torch
+
+    n, k = w.shape
+    pad = -k % 32
+    blocks = torch.nn.functional.pad(w.float(), (0, pad)).view(n, -1, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round().clamp(-127, 127)
+    return (q * scale).view(n, -1)[:, :k].to(w.dtype)
+
+
 def _quantized_copy(model, weights: str, dtype, keep_head: bool = False):
     """``model`` in ``dtype`` with every weight matmul's weight in ``weights`` and the LM head and
-    embedding tables in int8 (unless ``keep_head``), each dequantized (what numatp runs on one socket)."""
+    embedding tables in int8 (unless ``keep_head``), each dequantized (what numatp runs on one socket).
+    ``weights="q8_0"``: all of them in llama.cpp's Q8_0 instead (:func:`q8_0`)."""
     import copy
 
     import torch
     from transformers.pytorch_utils import Conv1D
 
-    from numatp.runtime.gemm.quant import dequantize, quantize
+    from numatp.runtime.gemm import quant
+
+    def dequantize(x):
+        return x if weights == "q8_0" else quant.dequantize(x)
+
+    def quantize(w, fmt):
+        return q8_0(w) if weights == "q8_0" else quant.quantize(w, fmt)
 
     q = copy.deepcopy(model)
     head = q.get_output_embeddings()
@@ -82,7 +107,7 @@ def measure(name: str, prompt: int, new_tokens: int, prompts: int) -> list[dict]
         ref = base(seq).logits.float()
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        for weights in ("none", "int8", "int8 keep_head", "int4:g64", "int4:g32"):
+        for weights in ("none", "int8", "int8 keep_head", "int4:g64", "int4:g32", "q8_0"):
             fmt, _, keep = weights.partition(" ")
             model = copy.deepcopy(base).to(dtype) if fmt == "none" else \
                 _quantized_copy(base, fmt, dtype, keep_head=bool(keep))
@@ -92,7 +117,8 @@ def measure(name: str, prompt: int, new_tokens: int, prompts: int) -> list[dict]
             err = ((out[:, last] - ref[:, last]).norm(dim=-1) / ref[:, last].norm(dim=-1)).mean().item()
             span = slice(prompt - 1, prompt - 1 + new_tokens)
             agree = (out[:, span].argmax(-1) == ref[:, span].argmax(-1)).float().mean().item()
-            rows.append({"model": name, "activations": str(dtype).removeprefix("torch."), "weights": weights,
+            label = "llama.cpp Q8_0 (reference)" if weights == "q8_0" else weights
+            rows.append({"model": name, "activations": str(dtype).removeprefix("torch."), "weights": label,
                          "logits_rel_error": err, "greedy_agreement": agree, "prompt": prompt,
                          "new_tokens": new_tokens, "prompts": prompts})
             print(json.dumps(rows[-1]), flush=True)
