@@ -40,6 +40,8 @@ class StateStore:
         # ints, not placements
         self._made: dict[tuple, tuple[torch.Tensor, Placement]] = {}
         self._held: dict[tuple, Any] = {}   # a C++ reference to each copy (runtime.segments.keep_cpp_references)
+        self._views: dict[tuple, torch.Tensor] = {}   # rows of a copy, for a caller's rows of a larger tensor
+        self._narrow: set[int] = set()   # the caller tensors that are rows of another (held as views)
         self._sources: dict[int, weakref.ref] = {}
         self._layouts: dict[int, int] = {}   # how each caller tensor is split: its layout code
         self._codes: dict[Placement, int] = {}
@@ -57,10 +59,28 @@ class StateStore:
 
     def get(self, user: torch.Tensor, b: Binding, rank: int, code: int | None = None) -> torch.Tensor:
         """Socket ``rank``'s copy of its part of ``user`` (made on first use from ``user``'s values).
-        ``code``: ``self.code(b.placement)``, where the caller has it already."""
+        ``code``: ``self.code(b.placement)``, where the caller has it already.
+
+        A ``user`` that is a range of rows of a larger tensor (``big[i:j]``: a cache of fewer sequences
+        over the same memory, as the server's narrow programs read) gets the same rows of the larger
+        tensor's copy: programs of both widths read and write one copy per socket."""
         if code is None:
             code = self.code(b.placement)
-        made = self._made.get((id(user), code, rank))
+        key = (id(user), code, rank)
+        made = self._made.get(key)
+        if made is None:
+            view = self._views.get(key)
+            if view is not None:
+                return view
+            within = self._within(user)
+            if within is not None:
+                whole, (lo, hi) = within
+                if id(user) not in self._sources:
+                    self._sources[id(user)] = weakref.ref(user)
+                    self._layouts[id(user)] = code
+                    weakref.finalize(user, self._forget, id(user))
+                view = self._views[key] = self.get(whole, b, rank, code)[lo:hi]
+                return view
         if made is None:
             if id(user) not in self._sources:
                 self._sources[id(user)] = weakref.ref(user)
@@ -76,6 +96,28 @@ class StateStore:
             made = self._made[(id(user), code, rank)] = (self._copy(user, b.placement, rank), b.placement)
             self._held[(id(user), code, rank)] = keep_cpp_references([made[0]])
         return made[0]
+
+    def _within(self, user: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]] | None:
+        """The known state tensor whose memory holds ``user`` as a range of its rows, and that range; None
+        where ``user`` shares memory with no known state. Memory shared any other way is an error: the
+        sockets would keep two copies of it that disagree."""
+        if user.numel() == 0:
+            return None
+        ptr = user.untyped_storage().data_ptr()
+        for ident, ref in self._sources.items():
+            whole = ref()
+            if whole is None or whole is user or whole.untyped_storage().data_ptr() != ptr or ident in self._narrow:
+                continue
+            rows = _row_range(user, whole)
+            if rows is None or rows == (0, whole.shape[0]):
+                raise RuntimeError(
+                    f"numatp: a state input of shape {tuple(user.shape)} (a KV cache tensor) shares memory with "
+                    f"another of shape {tuple(whole.shape)} other than as a range of its rows (dim 0), or is the "
+                    "wider of the two and came second; the sockets would keep two copies that disagree. Give "
+                    "each cache its own tensors, or run the wide cache before any cache of a range of its rows")
+            self._narrow.add(id(user))
+            return whole, rows
+        return None
 
     def _copy(self, user: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
         with torch.no_grad():
@@ -109,6 +151,9 @@ class StateStore:
         for key in [k for k in self._made if k[0] == ident]:
             del self._made[key]
             self._held.pop(key, None)
+        for key in [k for k in self._views if k[0] == ident]:
+            del self._views[key]
+        self._narrow.discard(ident)
 
     @property
     def nbytes(self) -> list[int]:
@@ -121,6 +166,21 @@ class StateStore:
     def tensors(self, rank: int) -> list[torch.Tensor]:
         """Socket ``rank``'s state tensors (for placement checks)."""
         return [t for k, (t, _) in self._made.items() if k[2] == rank]
+
+
+def _row_range(part: torch.Tensor, whole: torch.Tensor) -> tuple[int, int] | None:
+    """``(i, j)`` where ``part`` is ``whole[i:j]`` (same memory, rows along dim 0 of a contiguous ``whole``),
+    else None."""
+    if (not whole.is_contiguous() or part.dim() != whole.dim() or part.dim() == 0 or part.dtype != whole.dtype
+            or part.shape[1:] != whole.shape[1:] or whole.stride(0) == 0
+            or (part.shape[0] > 1 and part.stride() != whole.stride())
+            or (part.shape[0] == 1 and part.stride()[1:] != whole.stride()[1:])):
+        return None
+    offset = part.storage_offset() - whole.storage_offset()
+    if offset % whole.stride(0):
+        return None
+    start = offset // whole.stride(0)
+    return (start, start + part.shape[0]) if 0 <= start and start + part.shape[0] <= whole.shape[0] else None
 
 
 def _describe(layout: Placement | None) -> str:

@@ -1,9 +1,9 @@
 """``numatp serve``: an OpenAI-compatible HTTP server over a model compiled by numatp (``numatp[serve]``).
 
 Builds MODEL (a preset with random weights, served as token ids, or a checkpoint folder, with its
-tokenizer where it has one), compiles it with numatp, compiles the engine's two programs (a prefill chunk
-and a decode step of ``--max-batch`` slots), then serves ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/health`` and ``/metrics`` with uvicorn until SIGTERM or Ctrl-C (requests in flight are
+tokenizer where it has one), compiles it with numatp, compiles the engine's programs (a prefill chunk
+and a decode step of ``--max-batch`` slots, and both for slot 0 alone), then serves ``/v1/completions``,
+``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` with uvicorn until SIGTERM or Ctrl-C (requests in flight are
 finished, for up to ``--shutdown-timeout`` seconds, then cancelled). See docs/serve.md.
 """
 
@@ -123,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     engine = Engine(fast, max_batch=args.max_batch, max_len=args.max_len, chunk=args.chunk,
                     cache_len=args.cache_len, max_queue=args.max_queue, pad_token_id=pad)
-    _say(f"compiling the prefill chunk ({args.max_batch}, {args.chunk}) and the decode step ({args.max_batch}, 1) "
-         f"on {topo.num_sockets} sockets")
+    widths = " and both at width 1 (slot 0 alone)" if args.max_batch > 1 else ""
+    _say(f"compiling the prefill chunk ({args.max_batch}, {args.chunk}) and the decode step ({args.max_batch}, 1)"
+         f"{widths} on {topo.num_sockets} sockets")
     engine.start()
     name = args.served_name or args.model
     app = create_app(engine, model_name=name, tokenizer=tokenizer)

@@ -11,13 +11,18 @@ L) attention mask, 1 exactly at the positions its tokens were written to, and it
 token's place in its sequence). Causality comes from the cache position, the rest from the mask, so rows of
 different lengths and ages share every call.
 
-The model sees two input shapes, so two programs are compiled, whatever the requests:
+The model sees two input shapes at each of two widths, so four programs are compiled, whatever the
+requests:
 
 - a decode step ``(B, 1)``: each active slot's last token at the clock's position; idle slots get a pad
   token that sees only its own position (which nothing else reads);
 - a prefill chunk ``(B, chunk)``: joiners' prompts, left-padded (masked) to a multiple of ``chunk`` and
   right-aligned so that several joiners at one step boundary share the calls and finish together; every
-  other row carries pad tokens that its mask hides from it afterwards. The clock advances ``chunk`` a call.
+  other row carries pad tokens that its mask hides from it afterwards. The clock advances ``chunk`` a call;
+- the same two at width 1, ``(1, 1)`` and ``(1, chunk)``, over a cache of the first row alone (a view of
+  the same tensors, so on every socket the same copy: :meth:`numatp.backend.states.StateStore.get`),
+  for the steps where slot 0 is the only one in use (a request joins the lowest free slot): one stream
+  pays for one row, not ``B``.
 
 Joining happens at a step boundary. When the joiners' chunks do not fit in the positions left: if every
 active sequence finishes within ``chunk`` more steps (and the cache), joins wait for them (the cache
@@ -113,7 +118,7 @@ class Engine:
     prefill chunks of ``chunk`` tokens, a cache of ``cache_len`` positions (default ``max_len + chunk``; more
     means fewer resets: every join advances the shared clock by its padded prompt) and at most
     ``max_queue`` requests waiting beyond the free slots.
-    :meth:`start` compiles the two programs and starts the engine thread; :meth:`stop` ends it."""
+    :meth:`start` compiles the programs and starts the engine thread; :meth:`stop` ends it."""
 
     def __init__(self, compiled: Any, *, max_batch: int = 8, max_len: int = 1024, chunk: int = 32,
                  cache_len: int | None = None, max_queue: int = 64, eos_token_ids: list[int] | None = None,
@@ -157,6 +162,7 @@ class Engine:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self.forwards = 0
+        self.widths: collections.Counter[int] = collections.Counter()   # forwards per batch width
         # Dynamo's guards skipped after the warm-up (see _warm_up): off by default, since with it on, a
         # forward now and then ran without numatp in the test suite (on the main branch that closes the
         # backends of collected models); not understood yet
@@ -223,7 +229,7 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and self._accepting
 
     def start(self) -> None:
-        """Compile the two programs (a prefill chunk and a decode step) and start the engine thread; returns
+        """Compile the programs (a prefill chunk and a decode step, at both widths) and start the engine thread; returns
         when it is ready to serve (raises what compiling raised)."""
         self._running = True
         self._thread = threading.Thread(target=self._main, name="numatp-serve-engine", daemon=True)
@@ -291,6 +297,7 @@ class Engine:
         usable = getattr(_stance, "stance", None) == "default" and not getattr(_stance, "skip_guard_eval_unsafe", True)
         frames = None
         self._cache = static_cache(self.model, self.max_batch, self.cache_len, self.dtype)
+        self._narrow = self._first_row(self._cache) if self.max_batch > 1 else None
         self._own = torch.zeros(self.max_batch, self.cache_len, dtype=torch.long)
         self._t = 0
         backend = None
@@ -299,12 +306,13 @@ class Engine:
             backend = self._backend()
         t0 = time.perf_counter()
         B, C = self.max_batch, self.chunk
+        widths = (B, 1) if self._narrow is not None else (B,)
         for i in range(2):
             if i == 1:
                 frames = counters["frames"]["ok"]
-            for shape in ((B, C), (B, 1)):
+            for shape in [(w, n) for w in widths for n in (C, 1)]:
                 ids = torch.full(shape, self.pad, dtype=torch.long)
-                mask = torch.zeros(B, self.cache_len, dtype=torch.long)
+                mask = torch.zeros(shape[0], self.cache_len, dtype=torch.long)
                 mask[:, self._t:self._t + shape[1]] = 1
                 pos = torch.arange(shape[1]).expand(shape).contiguous()
                 if backend is None and self._numatp:
@@ -320,8 +328,17 @@ class Engine:
         self._skip_guards = self.skip_guards and usable and counters["frames"]["ok"] == frames
         self._reset()
         self.resets = 0
-        log.info("numatp serve: compiled the prefill chunk (%d, %d) and the decode step (%d, 1) in %.1fs; these "
-                 "two programs serve every request", B, C, B, time.perf_counter() - t0)
+        log.info("numatp serve: compiled the prefill chunk (%d, %d) and the decode step (%d, 1)%s in %.1fs; these "
+                 "programs serve every request", B, C, B, " and both at width 1" if len(widths) > 1 else "",
+                 time.perf_counter() - t0)
+
+    def _first_row(self, cache: Any) -> Any:
+        """A cache of one sequence over row 0 of ``cache``'s tensors (views), sharing its lengths."""
+        narrow = static_cache(self.model, 1, self.cache_len, self.dtype)
+        for small, big in zip(narrow.layers, cache.layers):
+            small.keys, small.values = big.keys[:1], big.values[:1]
+            small.cumulative_length = big.cumulative_length
+        return narrow
 
     def _backend(self) -> Any:
         try:
@@ -333,7 +350,7 @@ class Engine:
         """(B, vocab) fp32 logits of each row's last position; the clock advances by the call's length."""
         backend = self._backend() if self._numatp else None
         calls = backend.calls if backend is not None else None
-        kwargs = {self._cache_arg: self._cache}
+        kwargs = {self._cache_arg: self._cache if ids.shape[0] == self.max_batch else self._narrow}
         if self._skip_guards:
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -353,12 +370,13 @@ class Engine:
                                 use_cache=True, logits_to_keep=1)
         self._t += ids.shape[1]
         self.forwards += 1
+        self.widths[ids.shape[0]] += 1
         if self._numatp:
             backend = backend or self._backend()
             if backend is None or backend.calls == calls:
                 raise RuntimeError(f"numatp serve: a forward of shape {tuple(ids.shape)} ran without numatp (Dynamo "
                                    "ran the model eagerly, which would read stale per-socket caches); the engine "
-                                   "compiles two shapes only, so another compile of this model in the process used "
+                                   "compiles four shapes only, so another compile of this model in the process used "
                                    "up torch._dynamo.config.recompile_limit")
         return out.logits[:, -1, :].to(torch.float32)
 
@@ -432,9 +450,13 @@ class Engine:
             self._waiting.popleft()
         self._prefill(list(zip(free, joiners)), [(i, self._slots[i]) for i in rejoin])  # type: ignore[misc]
 
-    def _rows(self) -> tuple[torch.Tensor, list[int]]:
-        idle = [i for i, s in enumerate(self._slots) if s is None]
-        return self._own.clone(), idle
+    def _rows(self, width: int) -> tuple[torch.Tensor, list[int]]:
+        idle = [i for i, s in enumerate(self._slots[:width]) if s is None]
+        return self._own[:width].clone(), idle
+
+    def _width(self, rows: list[int]) -> int:
+        """The batch width of a call for the slots ``rows``: 1 where only slot 0 is in use, else all slots."""
+        return 1 if self._narrow is not None and rows == [0] else self.max_batch
 
     def _prefill(self, joiners: list[tuple[int, Request]], rejoin: list[tuple[int, _Slot]]) -> None:
         """Run the joiners' prompts (and the re-joining slots' prompt + tokens so far) as chunks of (B, C),
@@ -450,10 +472,11 @@ class Engine:
         for i, (r, _) in rows.items():
             self._slots[i] = _Slot(r, 0, 0)   # placeholder: the slot is taken from the first chunk on
             self._own[i].zero_()
+        batch = self._width(sorted(i for i, s in enumerate(self._slots) if s is not None))
         width = chunks * C
-        ids = torch.full((self.max_batch, width), self.pad, dtype=torch.long)
-        pos = torch.zeros((self.max_batch, width), dtype=torch.long)
-        real = torch.zeros((self.max_batch, width), dtype=torch.bool)
+        ids = torch.full((batch, width), self.pad, dtype=torch.long)
+        pos = torch.zeros((batch, width), dtype=torch.long)
+        real = torch.zeros((batch, width), dtype=torch.bool)
         for i, (_, toks) in rows.items():
             ids[i, width - len(toks):] = torch.tensor(toks)
             pos[i, width - len(toks):] = torch.arange(len(toks))
@@ -461,10 +484,14 @@ class Engine:
         logits = None
         for k in range(chunks):
             t, cols = self._t, slice(k * C, (k + 1) * C)
-            self._own[:, t:t + C] = real[:, cols].long()
-            mask, idle = self._rows()
+            self._own[:batch, t:t + C] = real[:, cols].long()
+            mask, idle = self._rows(batch)
             mask[idle, t:t + C] = 1   # an idle row sees its own pad tokens (no query without a key)
-            logits = self._forward(ids[:, cols].contiguous(), mask, pos[:, cols].contiguous())
+            # copies in the canonical layout, not .contiguous(): a (1, C) slice of a wider row counts as
+            # contiguous with the row's stride, and Dynamo's guards read strides (a new program for it)
+            dense = torch.contiguous_format
+            logits = self._forward(ids[:, cols].clone(memory_format=dense), mask,
+                                   pos[:, cols].clone(memory_format=dense))
         assert logits is not None
         for i, (r, toks) in rows.items():
             self._slots[i] = _Slot(r, len(toks), 0)
@@ -472,15 +499,16 @@ class Engine:
 
     def _decode(self, active: list[int], now: float) -> None:
         t = self._t
-        ids = torch.full((self.max_batch, 1), self.pad, dtype=torch.long)
-        pos = torch.zeros((self.max_batch, 1), dtype=torch.long)
+        batch = self._width(active)
+        ids = torch.full((batch, 1), self.pad, dtype=torch.long)
+        pos = torch.zeros((batch, 1), dtype=torch.long)
         for i in active:
             slot = self._slots[i]
             assert slot is not None
             ids[i, 0] = slot.last
             pos[i, 0] = slot.next_pos
             self._own[i, t] = 1
-        mask, idle = self._rows()
+        mask, idle = self._rows(batch)
         mask[idle, t] = 1
         self.metrics.occupancy(len(active), self.max_batch)
         logits = self._forward(ids, mask, pos)

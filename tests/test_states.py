@@ -1,0 +1,54 @@
+"""The sockets' copies of the tensors the programs write in place (numatp.backend.states)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from numatp.backend.states import StateStore
+from numatp.plan.localize import Binding
+from numatp.plan.schema import Colwise, IndexSet
+from tests.helpers import shared_cpu_topology
+
+pytestmark = pytest.mark.unit
+
+HEADS = Colwise(dim=1, splits=(IndexSet(((0, 2),)), IndexSet(((2, 4),))))   # 4 heads, 2 per socket
+
+
+def _kv(batch: int = 4) -> torch.Tensor:
+    return torch.arange(batch * 4 * 6 * 3, dtype=torch.float32).view(batch, 4, 6, 3)
+
+
+def test_rows_of_a_cache_share_the_sockets_copy_of_the_whole():
+    # the server's width-1 programs read a cache over row 0 of the full cache's tensors; Dynamo may hand
+    # them over as tensors of their own (not views of the caller's), so the store finds rows by memory
+    store = StateStore(shared_cpu_topology(2))
+    whole = _kv()
+    b = Binding(index=0, placement=HEADS, state=True)
+    copies = [store.get(whole, b, r) for r in range(2)]
+    rows = [store.get(torch.as_strided(whole, (1, 4, 6, 3), whole.stride(), 0), b, r) for r in range(2)]
+    for r in range(2):
+        assert rows[r].data_ptr() == copies[r].data_ptr() and rows[r].shape == (1, 2, 6, 3)
+        torch.testing.assert_close(rows[r], whole[:1, 2 * r:2 * r + 2])
+        rows[r].fill_(-1.0)   # a narrow program writes row 0 of the socket's copy...
+        assert (copies[r][0] == -1).all() and (copies[r][1:] != -1).all()   # ...which the wide one reads
+    middle = torch.as_strided(whole, (2, 4, 6, 3), whole.stride(), whole.stride(0))   # rows 1 and 2
+    assert store.get(middle, b, 1).data_ptr() == copies[1][1:3].data_ptr()
+    assert store.nbytes == [whole.numel() * 4 // 2] * 2   # the rows hold no memory of their own
+
+
+def test_memory_shared_other_than_as_rows_is_an_error():
+    store = StateStore(shared_cpu_topology(2))
+    whole = _kv()
+    b = Binding(index=0, placement=HEADS, state=True)
+    store.get(whole, b, 0)
+    heads = torch.as_strided(whole, (4, 2, 6, 3), whole.stride(), 0)   # the first 2 heads of every row
+    with pytest.raises(RuntimeError, match=r"shares memory with another of shape \(4, 4, 6, 3\)"):
+        store.get(heads, b, 0)
+    # the wide cache after a cache of its rows: the rows already have copies of their own
+    late = StateStore(shared_cpu_topology(2))
+    base = _kv()
+    first_row = torch.as_strided(base, (1, 4, 6, 3), base.stride(), 0)
+    late.get(first_row, b, 0)
+    with pytest.raises(RuntimeError, match="run the wide cache before any cache of a range of its rows"):
+        late.get(base, b, 0)
