@@ -52,3 +52,15 @@ def test_memory_shared_other_than_as_rows_is_an_error():
     late.get(first_row, b, 0)
     with pytest.raises(RuntimeError, match="run the wide cache before any cache of a range of its rows"):
         late.get(base, b, 0)
+
+
+def test_tensors_in_disjoint_parts_of_one_buffer_are_separate_states():
+    # a cache that slices one buffer into its layers: each layer is a state of its own
+    store = StateStore(shared_cpu_topology(2))
+    buffer = torch.arange(2 * 4 * 4 * 6 * 3, dtype=torch.float32)
+    layers = [buffer[i * 288:(i + 1) * 288].view(4, 4, 6, 3) for i in range(2)]
+    b = Binding(index=0, placement=HEADS, state=True)
+    copies = [store.get(t, b, 0) for t in layers]
+    assert copies[0].data_ptr() != copies[1].data_ptr()
+    for t, c in zip(layers, copies):
+        torch.testing.assert_close(c, t[:, :2])

@@ -106,8 +106,9 @@ class StateStore:
         ptr = user.untyped_storage().data_ptr()
         for ident, ref in self._sources.items():
             whole = ref()
-            if whole is None or whole is user or whole.untyped_storage().data_ptr() != ptr or ident in self._narrow:
-                continue
+            if (whole is None or whole is user or whole.untyped_storage().data_ptr() != ptr or ident in self._narrow
+                    or not _overlap(user, whole)):
+                continue   # another tensor, or another part of one buffer (a cache that slices its layers)
             rows = _row_range(user, whole)
             if rows is None or rows == (0, whole.shape[0]):
                 raise RuntimeError(
@@ -166,6 +167,17 @@ class StateStore:
     def tensors(self, rank: int) -> list[torch.Tensor]:
         """Socket ``rank``'s state tensors (for placement checks)."""
         return [t for k, (t, _) in self._made.items() if k[2] == rank]
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the element spans of ``a`` and ``b`` (of one storage) overlap."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((int(n) - 1) * int(st) for n, st in zip(t.shape, t.stride()))
+        start = int(t.storage_offset())
+        return start * t.element_size(), (start + last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _row_range(part: torch.Tensor, whole: torch.Tensor) -> tuple[int, int] | None:
