@@ -68,34 +68,37 @@ class StateStore:
             code = self.code(b.placement)
         key = (id(user), code, rank)
         made = self._made.get(key)
-        if made is None:
-            view = self._views.get(key)
-            if view is not None:
-                return view
-            within = self._within(user)
-            if within is not None:
-                whole, (lo, hi) = within
-                if id(user) not in self._sources:
-                    self._sources[id(user)] = weakref.ref(user)
-                    self._layouts[id(user)] = code
-                    weakref.finalize(user, self._forget, id(user))
-                view = self._views[key] = self.get(whole, b, rank, code)[lo:hi]
-                return view
-        if made is None:
-            if id(user) not in self._sources:
-                self._sources[id(user)] = weakref.ref(user)
-                self._layouts[id(user)] = code
-                weakref.finalize(user, self._forget, id(user))
-            elif self._layouts[id(user)] != code:
-                raise RuntimeError(
-                    f"numatp: a state input of shape {tuple(user.shape)} (a KV cache tensor) is held "
-                    f"{_describe(self._placements[self._layouts[id(user)]])} by one compiled graph and "
-                    f"{_describe(self._placements[code])} by another (a prefill and a decode step of the "
-                    "same cache sharded differently); the sockets' copies would disagree. Compile with "
-                    "policy='never', or report the model")
-            made = self._made[(id(user), code, rank)] = (self._copy(user, b.placement, rank), b.placement)
-            self._held[(id(user), code, rank)] = keep_cpp_references([made[0]])
+        if made is not None:
+            return made[0]
+        view = self._views.get(key)
+        if view is not None:
+            return view
+        within = self._within(user)
+        new = self._track(user, code)
+        if within is not None:
+            whole, (lo, hi) = within
+            view = self._views[key] = self.get(whole, b, rank, code)[lo:hi]
+            return view
+        if not new and self._layouts[id(user)] != code:
+            raise RuntimeError(
+                f"numatp: a state input of shape {tuple(user.shape)} (a KV cache tensor) is held "
+                f"{_describe(self._placements[self._layouts[id(user)]])} by one compiled graph and "
+                f"{_describe(self._placements[code])} by another (a prefill and a decode step of the "
+                "same cache sharded differently); the sockets' copies would disagree. Compile with "
+                "policy='never', or report the model")
+        made = self._made[key] = (self._copy(user, b.placement, rank), b.placement)
+        self._held[key] = keep_cpp_references([made[0]])
         return made[0]
+
+    def _track(self, user: torch.Tensor, code: int) -> bool:
+        """Follow ``user`` (its copies are dropped with it) under layout ``code``; False where it is followed
+        already."""
+        if id(user) in self._sources:
+            return False
+        self._sources[id(user)] = weakref.ref(user)
+        self._layouts[id(user)] = code
+        weakref.finalize(user, self._forget, id(user))
+        return True
 
     def _within(self, user: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]] | None:
         """The known state tensor whose memory holds ``user`` as a range of its rows, and that range; None
