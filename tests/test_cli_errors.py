@@ -120,6 +120,8 @@ _FORMATS = "int8, int4, int4:g32, int4:g64, int4:g128"
     (("demo", "--weights", "fp8"), f"--weights fp8: not a format numatp stores weights in; pass one of {_FORMATS}"),
     (("bench", "--weights", "none", "q4_0", "--out", "/nonexistent"), f"--weights q4_0: not a format numatp stores "
                                                                        f"weights in; pass one of none, {_FORMATS}"),
+    (("serve", "gpt2", "--weights", "int3"), f"--weights int3: not a format numatp stores weights in; pass one of "
+                                              f"{_FORMATS}"),
     (("explain", "gpt2", "--keep-head"), "--keep-head keeps the LM head in the model's dtype when --weights"),
     (("bench", "--weights", "none", "--keep-head", "--out", "/nonexistent"), "--keep-head keeps the LM head"),
     (("bench", "--modes", "baseline", "--weights", "int8", "--out", "/nonexistent"),
@@ -133,7 +135,7 @@ def test_every_compiling_command_takes_weights_and_keep_head():
     from numatp.cli import build_parser
 
     subparsers = next(a for a in build_parser()._actions if a.dest == "command")
-    for command in ("demo", "generate", "bench", "explain"):
+    for command in ("demo", "generate", "bench", "explain", "serve"):
         text = " ".join(subparsers.choices[command].format_help().split())
         assert "--weights {" in text and "int8,int4,int4:g32,int4:g64,int4:g128}" in text, command
         assert "--keep-head with --weights: keep the LM head and the embedding tables in the model's dtype" in text

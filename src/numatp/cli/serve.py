@@ -15,6 +15,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from numatp.cli._weights import add_weight_args, check_weight_args
+
 __all__ = ["add_parser", "run"]
 
 
@@ -29,8 +31,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--sockets", type=int, default=None,
                    help="socket count (default: the detected sockets, or 2 virtual ones on a one-node machine)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16", help="weight dtype (default bf16)")
-    p.add_argument("--weights", default=None,
-                   help="quantized weights: int8, int4, int4:g32, int4:g64 or int4:g128 (numatp.compile's weights=)")
+    add_weight_args(p)
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (slots; default 8)")
     p.add_argument("--max-len", type=int, default=1024,
                    help="tokens per request, prompt + max_tokens (the context; default 1024, at most the model's)")
@@ -66,6 +67,7 @@ def _check_args(args: argparse.Namespace) -> None:
                               ("--max-queue", args.max_queue, 0), ("--port", args.port, 1)):
         if value is not None and value < rule:
             raise SystemExit(f"numatp serve: {flag} {value}: must be >= {rule}")
+    check_weight_args("serve", args)
     if args.port > 65535:
         raise SystemExit(f"numatp serve: --port {args.port}: must be at most 65535")
     source = zoo.resolve(args.model)
@@ -120,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     topo = resolve_ranks(args.sockets, Topology.detect())
     _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype})")
     model = zoo.build(args.model, tiny=args.tiny, dtype=getattr(torch, args.dtype))
-    fast = numatp.compile(model, sockets=topo, weights=args.weights, mode=args.mode)
+    fast = numatp.compile(model, sockets=topo, weights=args.weights, keep_head=args.keep_head, mode=args.mode)
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     engine = Engine(fast, max_batch=args.max_batch, max_len=args.max_len, chunk=args.chunk,
                     cache_len=args.cache_len, max_queue=args.max_queue, pad_token_id=pad)
