@@ -213,6 +213,8 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                     logits = w(None, logits)
                 if do_sample:
                     token = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+                    if backend is not None and backend.hosts is not None:   # one draw for every process
+                        backend.hosts.broadcast(token)
                 else:
                     token = logits.argmax(-1)
                 token = torch.where(unfinished, token, torch.full_like(token, pad))

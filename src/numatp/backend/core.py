@@ -23,6 +23,7 @@ from numatp.backend.weights import WeightStore
 from numatp.plan.gemm_pass import Decode, GemmOptions, GemmSelector, QuantWeights, report_rows
 from numatp.plan.schema import Plan
 from numatp.runtime.group import SocketGroup
+from numatp.runtime.hosts import Hosts, default_group
 from numatp.runtime.segments import SegmentCompiler
 from numatp.topology import Topology
 from numatp.topology.default import describe
@@ -42,10 +43,21 @@ class NumaTPBackend:
     def __init__(self, topology: Topology, *, policy: str = "always", names: dict[int, str] | None = None,
                  decide: Callable | None = None, mode: str = "inductor", strict_placement: bool = False,
                  gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE, plan: Any = None,
-                 check: bool = False, weights: str | None = None, keep_head: bool = False):
+                 check: bool = False, weights: str | None = None, keep_head: bool = False,
+                 hosts: Hosts | None = None):
         checked = Options(sockets=topology, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
                           auto_measure=auto_measure, plan=plan, check=check, weights=weights,
                           keep_head=keep_head)   # the same checks as numatp.compile's
+        if hosts is not None:
+            if policy != "always":
+                raise ValueError(f"policy={policy!r} across {hosts.size} processes: every process must run the same "
+                                 "plan, and only 'always' is decided by the graph alone; pass policy='always'")
+            hosts.agree("their options", {"sockets": hosts.sockets, "policy": policy, "mode": mode,
+                                           "weights": checked.weights, "keep_head": keep_head,
+                                           "plan": checked.plan, "gemm": gemm is not False,
+                                           "torch": torch.__version__})
+        self.hosts = hosts
+        """The other processes of a compile across hosts (:mod:`numatp.runtime.hosts`), or None."""
         if checked.plan == "hf":
             raise ValueError("plan='hf' needs the model to read its tp_plan: use numatp.compile(model, plan='hf'), "
                              "or pass the dict (numatp.plan.hf_tp_plan(model))")
@@ -80,10 +92,21 @@ class NumaTPBackend:
         topology = resolve_topology(options.sockets)
         log.info("numatp: compiling for %s%s. numatp.set_progress(False) silences these lines", describe(topology),
                  " (this machine's default; sockets= chooses)" if options.sockets is None else "")
+        group = options.process_group
+        if group is None:
+            group = default_group()
+            if group is not None:
+                log.info("numatp: torch.distributed is initialized with %d processes: compiling across its default "
+                         "group, each process's sockets a share of the plan (process_group= chooses another)",
+                         group.size())
+        hosts = None
+        if group is not None and group.size() > 1:
+            hosts = Hosts(group, topology.num_sockets, timeout=options.host_timeout)
+            log.info("numatp: %s", hosts.describe())
         return cls(topology, policy=options.policy, names=names, mode=options.mode,
                    strict_placement=options.strict_placement, gemm=options.gemm,
                    auto_measure=options.auto_measure, plan=options.plan, check=options.check,
-                   weights=options.weights, keep_head=options.keep_head)
+                   weights=options.weights, keep_head=options.keep_head, hosts=hosts)
 
     def import_quantized(self, imported: dict[int, tuple[str, Any]]) -> None:
         """Parameters quantized before numatp saw them (``id -> (name, values)``, :mod:`numatp.quant.torchao`):
@@ -132,6 +155,8 @@ class NumaTPBackend:
         groups = [g for g in (self._group, self._whole[0] if self._whole is not None else None) if g is not None]
         for group in groups:
             group.close()
+        if self.hosts is not None:
+            self.hosts.close()
         self._group = self._whole = None
         self.weights = WeightStore(self.topology)
         self.states = StateStore(self.topology)

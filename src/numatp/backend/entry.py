@@ -41,7 +41,7 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
             mode: str = "inductor", strict_placement: bool = False,
             gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE,
             plan: Any = None, check: bool = False, weights: str | None = None, keep_head: bool = False,
-            **unknown: Any) -> torch.nn.Module:
+            process_group: Any = None, host_timeout: float = 300.0, **unknown: Any) -> torch.nn.Module:
     """``torch.compile(model)`` with NUMA-aware tensor parallelism over ``sockets``.
 
     ``sockets``: None uses the detected sockets, or 2 virtual sockets on a one-node machine with 2 or more
@@ -66,8 +66,15 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     quantized by torchao's weight-only configs (``Int8WeightOnlyConfig``, CPU int4
     ``PrototypeInt4WeightOnlyConfig``, symmetric ``IntxWeightOnlyConfig``) is sharded from torchao's own
     values, never re-quantized; its torchao tensors are replaced in ``model`` by their dequantized values
-    (:mod:`numatp.quant.torchao`). An unknown keyword is a TypeError that lists the valid ones and the
-    closest (``polcy`` -> ``policy``).
+    (:mod:`numatp.quant.torchao`). ``process_group``: more than one host, each process (one per host,
+    started by ``torchrun`` or any launcher that initializes ``torch.distributed``) a tensor-parallel rank
+    of its own sockets: the plan covers every process's sockets, each process holds its own sockets'
+    shards, and each block's reduction adds the other hosts' sums through the group (gloo); None uses the
+    default group where ``torch.distributed`` is initialized with more than one process (one log line says
+    so). ``host_timeout``: seconds a cross-host collective waits before it fails naming the process that
+    stopped. Every process must compile the same model with the same options (checked, named if not);
+    policy must be "always" across hosts. See :mod:`numatp.runtime.hosts`. An unknown keyword is a
+    TypeError that lists the valid ones and the closest (``polcy`` -> ``policy``).
 
     The first call with an input shape builds its socket programs (tens of seconds: tracing, GEMM
     measurement, Inductor); numatp's progress lines say what it is doing (``numatp.set_progress``).
@@ -92,7 +99,8 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
         from numatp.plan.tp_plan import hf_tp_plan
         plan = hf_tp_plan(model)
     options = Options(sockets=sockets, policy=policy, mode=mode, strict_placement=strict_placement, gemm=gemm,
-                      auto_measure=auto_measure, plan=plan, check=check, weights=weights, keep_head=keep_head)
+                      auto_measure=auto_measure, plan=plan, check=check, weights=weights, keep_head=keep_head,
+                      process_group=process_group, host_timeout=host_timeout)
     imported = _dequantize_torchao(model)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     backend = NumaTPBackend.from_options(options, names=names)

@@ -63,6 +63,13 @@ class Options:
     keep_head: bool = False
     """With ``weights``: keep the LM head and the embedding tables in the model's dtype (by default they
     are int8, whatever ``weights`` says of the other matmuls)."""
+    process_group: Any = None
+    """More than one host: a ``torch.distributed`` process group of one process per host (each with its
+    own sockets, :mod:`numatp.runtime.hosts`). None: the default group where ``torch.distributed`` is
+    initialized with more than one process (logged), else this process alone."""
+    host_timeout: float = 300.0
+    """Seconds a cross-host collective waits for the other processes before it fails, naming the process
+    that stopped."""
     check: bool = False
     """Check the contracts between the pipeline's steps after each step (:mod:`numatp.plan.contracts`:
     the same collectives on every socket, one reduction per sharded block, shard shapes, no foreign
@@ -95,6 +102,15 @@ class Options:
         if self.plan is not None and self.policy == "never":
             raise ValueError("plan=... with policy='never': 'never' runs the graph unsharded on all cores, so a "
                              "plan has nothing to decide; drop one of them")
+        if self.process_group is not None:
+            import torch.distributed as dist
+            if not isinstance(self.process_group, dist.ProcessGroup):
+                raise ValueError(f"process_group={self.process_group!r}: pass a torch.distributed ProcessGroup "
+                                 "(torch.distributed.group.WORLD, or one from new_group), or None")
+        t = self.host_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ValueError(f"host_timeout={t!r}: pass the seconds (> 0) a cross-host collective waits for the "
+                             "other processes")
         a = self.auto_measure
         if isinstance(a, bool) or not isinstance(a, (int, float)) or a < 0:
             raise ValueError(f"auto_measure={a!r}: pass a fraction >= 0 (0 trusts the cost model alone; "

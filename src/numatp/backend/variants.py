@@ -26,6 +26,7 @@ from numatp.progress import inputs_text, step
 from numatp.runtime.executor import ShardedExecutor
 from numatp.plan.gemm_pass import GemmSelector
 from numatp.runtime.group import SocketGroup
+from numatp.runtime.hosts import Hosts
 from numatp.runtime.segments import SegmentCompiler, keep_cpp_references
 from numatp.topology import Topology
 
@@ -55,6 +56,8 @@ class Backend(Protocol):
     """The decode steps that follow the programs compiled now (``NumaTPBackend.decode_ahead``), or None."""
     state_policy: str | None
     """How every graph that writes a cache runs (prefill and decode must agree): fixed by the first."""
+    hosts: Hosts | None
+    """The other processes of a compile across hosts, or None."""
 
     @property
     def group(self) -> SocketGroup: ...
@@ -197,7 +200,10 @@ class CompiledGraph:
         decide = None
         if policy == "auto":
             decide = b.decide or default_decider(b.topology)
-        plan = pipeline.plan(ag, n, policy=policy, decide=decide, tp_plan=b.tp_plan)
+        plan = pipeline.plan(ag, n if b.hosts is None else b.hosts.total, policy=policy, decide=decide,
+                             tp_plan=b.tp_plan)
+        if b.hosts is not None:
+            b.hosts.agree(f"graph {self.index}", _facts(ag, key, plan))
         if stateful and b.state_policy is None:
             # the graphs that write one cache (prefill, decode) hold its states the same way
             b.state_policy = "never" if runs_unsharded(plan, policy) else "always"
@@ -217,7 +223,7 @@ class CompiledGraph:
                          policy, len(variant.executor.group.topology.sockets[0].cpus))
             self.variants[key] = variant
             return variant
-        variant = self._programs(plan, ag, args, b.group, b.weights, b.states, t0)
+        variant = self._programs(plan, ag, args, b.group, b.weights, b.states, t0, hosts=b.hosts)
         self.variants[key] = variant
         log.info("numatp: %d sockets, %d reductions, built in %.1fs", n, plan.reductions, variant.build_seconds)
         return variant
@@ -280,18 +286,20 @@ class CompiledGraph:
         return keep
 
     def _programs(self, plan: Plan, ag: Any, args: list[Any], group: SocketGroup, store: WeightStore,
-                  states: StateStore, t0: float) -> Variant:
-        """Localize ``ag`` (annotated for ``group``'s socket count), place its weights in ``store`` and
-        its states in ``states``, compile and warm the programs on ``group``."""
+                  states: StateStore, t0: float, hosts: Hosts | None = None) -> Variant:
+        """Localize ``ag`` (annotated for ``group``'s socket count, or with ``hosts`` for every process's),
+        place its weights in ``store`` and its states in ``states``, compile and warm the programs on
+        ``group``."""
         import time
         b = self.backend
         n = group.size
         built = pipeline.build(ag, plan, group=group, compiler=b.compiler, check=b.check,
                                gemm=None if b.gemm is None else b.gemm.bind(store, decode=b.decode),
-                               bind=lambda local: [_bind(store, states, p.bindings, args, p.rank) for p in local])
+                               bind=lambda local: [_bind(store, states, p.bindings, args, p.rank) for p in local],
+                               hosts=hosts)
         bindings = [p.bindings for p in built.local]
         executor = ShardedExecutor(group, built.programs, swaps=built.swaps, reads=built.reads,
-                                   gemm_choices=built.choices)
+                                   gemm_choices=built.choices, hosts=hosts)
         for r, swaps in enumerate(executor.swaps):
             for plain, prepared in swaps.values():
                 store.replace(r, plain, prepared)
@@ -305,6 +313,16 @@ class CompiledGraph:
         weights = [[None if bd.placement is None or bd.state else a for bd, a in zip(bindings[r], local[r])]
                    for r in range(n)]
         return Variant(plan, executor, bindings, time.perf_counter() - t0, weights=weights, states=states)
+
+
+def _facts(ag: Any, key: tuple, plan: Plan) -> dict[str, Any]:
+    """What every process must agree on before it runs a graph with the others: the parameters (name and
+    shape), the inputs, the plan's decisions and the traced graph itself (its code, hashed)."""
+    import hashlib
+    placeholders = [n for n in ag.gm.graph.nodes if n.op == "placeholder"]
+    params = [(ag.names[i], tuple(p.meta["val"].shape)) for i, p in enumerate(placeholders) if ag.is_param[i]]
+    return {"parameters": params, "inputs": key, "plan": (plan.decisions, plan.reductions, plan.gathers),
+            "graph": hashlib.sha256(ag.gm.code.encode()).hexdigest()[:16]}
 
 
 def _bind(store: WeightStore, states: StateStore, bindings: list, args: list[Any], rank: int) -> list[Any]:

@@ -29,7 +29,7 @@ from numatp.plan.schema import Colwise, IndexSet, Placement, Plan, Replicate, Ro
 from numatp.plan.tp_pass import replica_users
 from numatp.plan.trace import AtenGraph
 
-__all__ = ["Binding", "LocalProgram", "localize"]
+__all__ = ["Binding", "LocalProgram", "localize", "for_process"]
 
 aten = torch.ops.aten
 numatp_ops = torch.ops.numatp
@@ -226,3 +226,26 @@ def _copy(g: torch.fx.Graph, node: torch.fx.Node, env: dict, rank: int, infos: d
         g.node_copy(node, lambda n: env[n])
     new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace",)})
     return new
+
+
+def for_process(program: LocalProgram, first: int, count: int) -> LocalProgram:
+    """Plan rank ``first + r``'s program as socket ``r`` of a process that holds the plan's ranks ``first`` to
+    ``first + count - 1`` (one host of several, :class:`numatp.runtime.hosts.Hosts`): its bindings and
+    gathers keep only those ranks' index sets, so that the process's stores, workers and executor see
+    ``count`` sockets, rank 0 first. Other hosts' columns are theirs: a gather writes this host's and
+    the cross-host sum adds the rest."""
+    r = program.rank - first
+    if not 0 <= r < count:
+        raise ValueError(f"plan rank {program.rank} is not one of this process's ranks {first} to {first + count - 1}")
+
+    def narrow(placement: Placement | None) -> Placement | None:
+        if isinstance(placement, (Colwise, Rowwise)):
+            return type(placement)(placement.dim, placement.splits[first:first + count])
+        return placement
+
+    for n in program.gm.graph.nodes:
+        sets = n.meta.get("numatp_gather")
+        if sets is not None:
+            n.meta["numatp_gather"] = sets[first:first + count]
+    bindings = [Binding(bd.index, narrow(bd.placement), bd.lookup, bd.state) for bd in program.bindings]
+    return LocalProgram(r, program.gm, bindings)

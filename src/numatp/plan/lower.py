@@ -81,7 +81,7 @@ def lower_gemms(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def place_reductions(gm: torch.fx.GraphModule, sockets: int) -> None:
+def place_reductions(gm: torch.fx.GraphModule, sockets: int, hosts: int = 1) -> None:
     """Decide where each collective runs; marks the nodes after which a segment ends (:data:`SEGMENT_END`).
 
     The first all-reduce stays a cut of the program (a step of its own): the sockets' programs differ
@@ -97,7 +97,13 @@ def place_reductions(gm: torch.fx.GraphModule, sockets: int) -> None:
     With one socket the reductions that would run inside and the all-gathers are dropped (a sum over one
     socket is its input), and the segment ends stay as cuts (the identity), so that the layers stay
     segments of the same code.
+
+    With more than one process (``hosts``: one per host, :mod:`numatp.runtime.hosts`) every collective
+    stays a step of its own: the executor adds the other hosts' sums (gloo, from Python) to this host's.
     """
+    if hosts > 1:
+        gm.graph.lint()
+        return
     reductions = [n for n in gm.graph.nodes if n.target is COLLECTIVES[0]]
     summed = [i > 0 and (sockets == 1 or SocketComm.supports(n.meta["val"])) for i, n in enumerate(reductions)]
     ends = {n for i, n in enumerate(reductions) if i and i % REDUCTIONS_PER_SEGMENT == 0}

@@ -27,7 +27,7 @@ import torch.fx
 from numatp.plan import contracts
 from numatp.plan.attention_pass import fuse_single_query_attention
 from numatp.plan.gemm_pass import BoundSelector, GemmChoice, GemmSelector
-from numatp.plan.localize import LocalProgram, localize as localize_rank
+from numatp.plan.localize import LocalProgram, for_process, localize as localize_rank
 from numatp.plan.lower import lower_gemms, mark_gathered_matmuls, place_reductions, propagate_shapes
 from numatp.plan.schema import Plan
 from numatp.plan.split import split_program
@@ -35,6 +35,7 @@ from numatp.plan.tp_pass import plan_graph
 from numatp.plan.trace import AtenGraph, trace_aten
 from numatp.runtime.executor import SocketProgram
 from numatp.runtime.group import SocketGroup
+from numatp.runtime.hosts import Hosts
 from numatp.runtime.segments import Segment, SegmentCompiler
 
 __all__ = ["STEPS", "Programs", "trace", "plan", "localize", "choose_gemms", "fuse_attention", "lower", "gather",
@@ -85,12 +86,20 @@ def plan(ag: AtenGraph, sockets: int, *, policy: str = "always", decide: Callabl
     return plan_graph(ag, sockets, policy=policy, decide=decide, plan=tp_plan)
 
 
-def localize(ag: AtenGraph, plan: Plan) -> list[LocalProgram]:
+def localize(ag: AtenGraph, plan: Plan, hosts: Hosts | None = None) -> list[LocalProgram]:
     """Step 3. Before: the ATen graph and its plan. After: one program per socket, read from the plan:
     local shapes, a ``Binding`` per placeholder, one ``numatp::all_reduce`` per sharded block (right
     after its row matmul, before the bias), one ``numatp::all_gather`` per sharded output, the same
-    collectives in the same order (tags 0, 1, ...) on every socket."""
-    return [localize_rank(ag, plan, r) for r in range(plan.sockets)]
+    collectives in the same order (tags 0, 1, ...) on every socket. With ``hosts``, the plan is for
+    every socket of every process and this process's ranks alone are made, as its sockets 0, 1, ...
+    (:func:`numatp.plan.localize.for_process`)."""
+    if hosts is None:
+        return [localize_rank(ag, plan, r) for r in range(plan.sockets)]
+    if plan.sockets != hosts.total:
+        raise ValueError(f"this plan is for {plan.sockets} sockets, and the processes hold {hosts.total} "
+                         f"({'+'.join(map(str, hosts.sockets))}): plan the graph for every process's sockets")
+    first, count = hosts.first, hosts.sockets[hosts.rank]
+    return [for_process(localize_rank(ag, plan, r), first, count) for r in range(first, first + count)]
 
 
 def choose_gemms(selector: GemmSelector | BoundSelector | None, group: SocketGroup, local: list[LocalProgram],
@@ -114,16 +123,17 @@ def fuse_attention(gm: torch.fx.GraphModule) -> None:
 
 
 def lower(gm: torch.fx.GraphModule, args: list[Any], sockets: int,
-          stand_in: Callable[[Any], Any] = lambda a: a) -> None:
+          stand_in: Callable[[Any], Any] = lambda a: a, hosts: int = 1) -> None:
     """Step 6. Before: a local program after the GEMM choice. After: ``meta["val"]`` on every node (local
     shapes); a ``numatp::gemm`` with a C++ kernel is ``numatp::linear``; every all-reduce after the first
     is ``numatp::socket_all_reduce`` chained to the one before (a dtype the C++ collective does not sum
     stays an all-reduce), a layer's last marked as a segment's end; with one socket the reductions that
-    would run inside and the all-gathers are gone (:mod:`numatp.plan.lower`). ``stand_in`` gives a
+    would run inside and the all-gathers are gone (:mod:`numatp.plan.lower`); with more than one
+    process (``hosts``) every collective stays a step, for the cross-host sum. ``stand_in`` gives a
     prepared operand's plain stand-in for shape propagation (the GEMM selector's)."""
     propagate_shapes(gm, [stand_in(a) for a in args])
     lower_gemms(gm)
-    place_reductions(gm, sockets)
+    place_reductions(gm, sockets, hosts)
 
 
 def gather(gm: torch.fx.GraphModule) -> None:
@@ -157,12 +167,14 @@ def compile(programs: list[SocketProgram], compiler: SegmentCompiler, group: Soc
 def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
                    bind: Callable[[Sequence[LocalProgram]], list[list[Any]]],
                    gemm: GemmSelector | BoundSelector | None = None,
-                   check: bool = False) -> Programs:
+                   check: bool = False, hosts: Hosts | None = None) -> Programs:
     """Steps 3 to 8 for ``plan`` (made for ``ag``) on ``group``: the socket programs' steps, not compiled.
     ``bind`` gives each rank's arguments for the localized programs (the backend's stores, or
-    ``numatp.plan.reference.bind_inputs``)."""
+    ``numatp.plan.reference.bind_inputs``); ``hosts``: this process is one of several, ``plan`` is for
+    all their sockets, and ``group`` holds this process's."""
     sockets = group.size
-    local = localize(ag, plan)
+    processes = 1 if hosts is None else hosts.size
+    local = localize(ag, plan, hosts)
     args = bind(local)
     shapes = contracts.global_shapes(ag) if check else []
     done = Programs(plan, local, args)
@@ -171,7 +183,7 @@ def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
 
     def checked(step: str) -> None:
         if check:
-            contracts.check(step, done, shapes, sockets=sockets)
+            contracts.check(step, done, shapes, sockets=sockets if processes == 1 else plan.sockets)
 
     checked("localize")
     done.args, done.swaps, done.reads, done.choices = choose_gemms(gemm, group, local, args)
@@ -180,7 +192,7 @@ def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
         fuse_attention(p.gm)
     checked("fuse_attention")
     for p, a in zip(local, done.args):
-        lower(p.gm, a, sockets, done.stand_in)
+        lower(p.gm, a, sockets, done.stand_in, processes)
     checked("lower")
     for p in local:
         gather(p.gm)
@@ -193,10 +205,11 @@ def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
 def build(ag: AtenGraph, plan: Plan, *, group: SocketGroup, compiler: SegmentCompiler,
           bind: Callable[[Sequence[LocalProgram]], list[list[Any]]],
           gemm: GemmSelector | BoundSelector | None = None,
-          check: bool = False) -> Programs:
+          check: bool = False, hosts: Hosts | None = None) -> Programs:
     """Steps 3 to 9: :func:`lower_programs`, then :func:`compile`."""
-    done = lower_programs(ag, plan, group=group, bind=bind, gemm=gemm, check=check)
+    done = lower_programs(ag, plan, group=group, bind=bind, gemm=gemm, check=check, hosts=hosts)
     compile(done.programs, compiler, group)
     if check:
-        contracts.check("compile", done, contracts.global_shapes(ag), sockets=group.size)
+        contracts.check("compile", done, contracts.global_shapes(ag),
+                        sockets=group.size if hosts is None else plan.sockets)
     return done

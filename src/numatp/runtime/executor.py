@@ -19,6 +19,12 @@ the last peer's) and ``gather_seconds`` the time spent gathering a column-sharde
 into the full tensor, whose fresh pages fault in as it is written; a matmul that writes its columns in
 place counts as compute, not gather). No socket waits for another at a gather: the full tensor is
 allocated before the workers start, and each writes its columns when it gets there.
+
+With ``hosts`` (this process is one of several, :class:`numatp.runtime.hosts.Hosts`), each reduction is
+a step (:func:`numatp.plan.lower.place_reductions`): the in-host sum, then socket 0 adds the other
+hosts' through the process group while its peers wait at a barrier and then copy the total; a gathered
+tensor starts as zeros, holds this host's columns when the workers are done, and is summed across the
+hosts on the calling thread.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from numatp.runtime.collective import rehearsal
 from numatp.runtime.gemm import GemmStep
 from numatp.runtime.group import SocketGroup
+from numatp.runtime.hosts import Hosts
 from numatp.runtime.segments import Collective, Segment, place
 
 __all__ = ["SocketProgram", "ShardedExecutor"]
@@ -71,8 +78,9 @@ class ShardedExecutor:
 
     def __init__(self, group: SocketGroup, programs: list[SocketProgram], *,
                  swaps: list[dict[int, tuple]] | None = None, reads: list[dict[int, torch.Tensor]] | None = None,
-                 gemm_choices: list[Any] | None = None):
+                 gemm_choices: list[Any] | None = None, hosts: Hosts | None = None):
         self.group = group
+        self.hosts = hosts
         self.programs = programs
         self.sync_seconds = [0.0] * group.size     # per socket: in all-reduces
         self.wait_seconds = [0.0] * group.size     # per socket: of which waiting for the last peer
@@ -108,11 +116,15 @@ class ShardedExecutor:
 
     def run(self, local_args: list[list[Any]]) -> list[Any]:
         size = self.group.size
+        hosts = self.hosts
         # each all-gather's full tensor, allocated here and written by the sockets as they get there: no
-        # socket waits for another (its pages are not touched here, so each fills in on its writer's node)
-        slots = {s.tag: torch.empty(s.full[0], dtype=s.full[1])  # type: ignore[index]  # an all-gather has full
+        # socket waits for another (its pages are not touched here, so each fills in on its writer's node);
+        # with other hosts, zeros where their columns go, summed across the hosts when the workers are done
+        new = torch.empty if hosts is None else torch.zeros
+        slots = {s.tag: new(s.full[0], dtype=s.full[1])  # type: ignore[index]  # an all-gather has full
                  for s in self.programs[0].steps
-                 if isinstance(s, Collective) and s.kind == "all_gather" and size > 1}
+                 if isinstance(s, Collective) and s.kind == "all_gather" and (size > 1 or hosts is not None)}
+        relay: dict[int, torch.Tensor] = {}   # with other hosts: socket 0's cross-host totals, by tag
         sync = self.sync_seconds
         gathered = self.gather_seconds
         performed = self.performed
@@ -128,10 +140,13 @@ class ShardedExecutor:
                     env[step.dst] = step(env)
                 else:
                     t0 = time.perf_counter()
-                    if size == 1:   # a cut between layers (numatp.plan.lower): the sum over one socket
+                    if size == 1 and hosts is None:   # a cut between layers (numatp.plan.lower): one socket's sum
                         env[step.dst] = env[step.src]
                     elif step.kind == "all_reduce":
-                        env[step.dst] = group.all_reduce(rank, env[step.src])
+                        total = group.all_reduce(rank, env[step.src]) if size > 1 else env[step.src].contiguous()
+                        if hosts is not None:
+                            total = self._across(rank, step.tag, total, relay)
+                        env[step.dst] = total
                         if rank == 0:   # every socket returned from the collective with the same total
                             performed["all_reduce"] += 1
                         sync[rank] += time.perf_counter() - t0
@@ -166,4 +181,21 @@ class ShardedExecutor:
                 performed["all_reduce"] += done[1]
             return out
 
-        return self.group.run(work)[0]
+        out = self.group.run(work)[0]
+        if hosts is not None:
+            for full in slots.values():   # every host's columns, in program order
+                hosts.all_reduce(full)
+        return out
+
+    def _across(self, rank: int, tag: int, total: torch.Tensor, relay: dict[int, torch.Tensor]) -> torch.Tensor:
+        """This host's sum ``total`` plus the other hosts': socket 0 takes it through the process group, its
+        peers copy socket 0's total (onto their own node) after a barrier."""
+        assert self.hosts is not None
+        if self.group.size == 1:
+            return self.hosts.all_reduce(total)
+        if rank == 0:
+            relay[tag] = self.hosts.all_reduce(total)
+        self.group.barrier(rank)
+        if rank != 0:
+            total.copy_(relay[tag])
+        return total

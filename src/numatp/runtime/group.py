@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from numatp.runtime.collective import CollectiveTimeout, CommAborted, SocketComm
+from numatp.runtime.hosts import HostFailure
 from numatp.topology import Topology
 
 __all__ = ["SocketGroup", "SocketError", "GroupAborted", "callers_threads", "pin_threads"]
@@ -302,6 +303,9 @@ class SocketGroup:
                 cpus = "; ".join(f"socket {r}: CPUs {_cpus(self.topology, r)}" for r in stuck)
                 raise SocketError(f"timed out: {late[0]} ({cpus}); that socket is stuck, or far slower "
                                   "than its peers (check what else runs on its CPUs)") from late[0]
+            across = [e for e in errors.values() if isinstance(e, HostFailure)]
+            if across:   # another process stopped: that, not this process's socket, is the news
+                raise across[0]
             real = {r: e for r, e in errors.items() if not isinstance(e, GroupAborted)}
             rank, err = min((real or errors).items())
             raise SocketError(f"socket {rank} (CPUs {_cpus(self.topology, rank)}) failed: "

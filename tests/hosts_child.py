@@ -1,0 +1,101 @@
+"""One process of ``tests/test_hosts.py``: a host of a compile across processes, joined over loopback.
+
+``python tests/hosts_child.py SCENARIO RANK WORLD PORT OUT MODE``: pins itself to one CPU (one socket per
+process, never more busy threads than cores), joins the gloo group, compiles a tiny Llama with numatp on
+its one socket and writes what it saw as JSON to ``OUT/RANK.json``. Scenarios:
+
+- ``equal``: a forward and 8 greedy tokens, beside the eager model's; the cross-host collectives of one
+  forward; the weight bytes this process holds (``placement_report``) and the plan's model bytes;
+- ``kill``: process 1 kills itself (SIGKILL) after 3 forwards; process 0 calls until one fails and
+  records the error and how long after its last good call it came;
+- ``hang``: the same with SIGSTOP (a host that stops answering): the failure comes after ``host_timeout``;
+- ``mismatch``: process 1 builds one layer more; both record the compile's error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+
+def main() -> None:
+    scenario, rank, world, port, out, mode = sys.argv[1:7]
+    rank, world = int(rank), int(world)
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    import numatp
+    from numatp.backend import backend_of
+
+    layers = 3 if scenario == "mismatch" and rank == 1 else 2
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=layers, vocab_size=256,
+                                   max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    timeout = {"kill": 10.0, "hang": 4.0}.get(scenario, 60.0)
+    fast = numatp.compile(model, sockets=1, mode=mode, host_timeout=timeout)
+    result: dict = {"rank": rank}
+    try:
+        if scenario == "equal":
+            with torch.no_grad():
+                expected = model(ids, use_cache=False).logits
+                got = fast(ids, use_cache=False).logits
+                hosts = backend_of(fast).hosts
+                before = hosts.performed
+                again = fast(ids, use_cache=False).logits
+                result["collectives_per_call"] = hosts.performed - before
+            result["max_diff"] = float((got - expected).abs().max())
+            result["repeat_equal"] = bool(torch.equal(got, again))
+            plan = numatp.plans(fast)[0]
+            result["plan_sockets"] = plan.sockets
+            result["plan_reductions"] = plan.reductions
+            result["plan_gathers"] = plan.gathers
+            result["layers"] = layers
+            result["model_bytes"] = plan.model_bytes
+            result["replicated_bytes"] = plan.replicated_bytes
+            result["held_bytes"] = sum(r["bytes"] for r in numatp.placement_report(fast)["ranks"])
+            mask = torch.ones_like(ids)
+            eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            tokens = fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            result["tokens"] = tokens.tolist()
+            result["eager_tokens"] = eager.tolist()
+            sampled = fast.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, pad_token_id=0,
+                                    generator=torch.Generator().manual_seed(100 + rank))
+            result["sampled"] = sampled.tolist()
+        elif scenario in ("kill", "hang"):
+            with torch.no_grad():
+                for call in range(1000):
+                    if rank == 1 and call == 3:
+                        os.kill(os.getpid(), signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
+                    last = time.monotonic()
+                    fast(ids, use_cache=False)
+                    result["calls"] = call + 1
+        else:
+            with torch.no_grad():
+                fast(ids, use_cache=False)
+    except Exception as e:   # what the test asserts on
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["error_type"] = type(e).__name__
+        result["ranks"] = getattr(e, "ranks", None)
+        if scenario in ("kill", "hang"):
+            result["seconds_to_error"] = time.monotonic() - last
+        result["traceback"] = traceback.format_exc()[-3000:]
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)   # a peer that died leaves the process group unable to shut down cleanly
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""More than one host: processes joined by torch.distributed (gloo, loopback), one socket each.
+
+Each test starts 2 processes of ``tests/hosts_child.py`` (each pinned to one CPU, so never more busy
+threads than cores) and asserts on what they report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import numatp
+from numatp.backend.core import NumaTPBackend
+from numatp.plan.localize import Binding, LocalProgram, for_process
+from numatp.plan.schema import Colwise, IndexSet, Replicate, Rowwise
+from tests.helpers import shared_cpu_topology
+
+pytestmark = pytest.mark.integration
+
+CHILD = Path(__file__).with_name("hosts_child.py")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hosts(scenario: str, tmp_path: Path, mode: str = "eager", wait: float = 240.0) -> dict[int, dict]:
+    """Run ``scenario`` in 2 processes; each rank's report (a rank that was killed has none)."""
+    port = str(_port())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHILD.parent.parent / "src"), str(CHILD.parent.parent)]))
+    procs = [subprocess.Popen([sys.executable, str(CHILD), scenario, str(r), "2", port, str(tmp_path), mode],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    logs = []
+    try:
+        for r, p in enumerate(procs):
+            try:
+                logs.append(p.communicate(timeout=wait)[0])
+            except subprocess.TimeoutExpired:
+                if scenario != "hang" or r != 1:
+                    raise
+                p.send_signal(signal.SIGKILL)   # stopped on purpose; its peer has reported
+                logs.append(p.communicate()[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = {}
+    for r in range(2):
+        f = tmp_path / f"{r}.json"
+        if f.exists():
+            out[r] = json.loads(f.read_text())
+    assert out, "no process reported:\n" + "\n".join(log[-3000:] for log in logs)
+    return out
+
+
+def _equal(got: dict[int, dict]) -> None:
+    assert set(got) == {0, 1}, got
+    for r, d in got.items():
+        assert "error" not in d, d.get("traceback")
+        assert d["plan_sockets"] == 2   # the plan covers both processes' sockets
+        assert d["max_diff"] < 1e-4, d["max_diff"]
+        assert d["repeat_equal"]
+        assert d["tokens"] == d["eager_tokens"], (r, d["tokens"], d["eager_tokens"])
+        # one cross-host sum per reduction of the plan (2 per layer, 1 for the lookup) and one per gather
+        assert d["plan_reductions"] == 2 * d["layers"] + 1 and d["plan_gathers"] == 1
+        assert d["collectives_per_call"] == d["plan_reductions"] + d["plan_gathers"]
+    # one process with both sockets holds every shard and a copy of the replicated weights per socket
+    single = got[0]["model_bytes"] + got[0]["replicated_bytes"]
+    assert got[0]["held_bytes"] + got[1]["held_bytes"] == single
+    for d in got.values():
+        assert d["held_bytes"] <= 0.55 * single, (d["held_bytes"], single)
+    assert got[0]["sampled"] == got[1]["sampled"]   # each drew with its own seed; process 0's draw is used
+
+
+def test_two_processes_match_eager_hold_half_the_weights_and_sample_alike(tmp_path):
+    _equal(_hosts("equal", tmp_path))
+
+
+@pytest.mark.slow
+def test_two_processes_compiled_with_inductor_match_eager(tmp_path):
+    _equal(_hosts("equal", tmp_path, mode="inductor"))
+
+
+def test_a_killed_process_is_named_by_its_peer_within_the_timeout(tmp_path):
+    got = _hosts("kill", tmp_path)
+    assert 1 not in got   # killed before it could report
+    d = got[0]
+    assert d["calls"] == 3 and d["error_type"] == "HostFailure", d
+    assert d["ranks"] == [1] and "process 1" in d["error"], d["error"]
+    assert d["seconds_to_error"] <= 10 + 5   # host_timeout=10 in the child
+
+
+@pytest.mark.slow
+def test_a_process_that_stops_answering_is_named_after_the_timeout(tmp_path):
+    got = _hosts("hang", tmp_path, wait=60)
+    d = got[0]
+    assert d["error_type"] == "HostFailure" and d["ranks"] == [1], d
+    assert 4 <= d["seconds_to_error"] <= 4 + 5   # host_timeout=4 in the child
+
+
+def test_processes_that_compile_different_models_fail_naming_the_difference(tmp_path):
+    got = _hosts("mismatch", tmp_path)
+    assert set(got) == {0, 1}
+    for d in got.values():
+        assert d["error_type"] == "HostMismatch", d
+        assert "parameters" in d["error"] and "model.layers.2" in d["error"], d["error"]
+
+
+def test_a_process_keeps_only_its_ranks_index_sets():
+    halves = (IndexSet.range(0, 2), IndexSet.range(2, 4), IndexSet.range(4, 6), IndexSet.range(6, 8))
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    prog = LocalProgram(3, gm, [Binding(0, None), Binding(1, Replicate()), Binding(2, Colwise(0, halves)),
+                                Binding(3, Rowwise(1, halves), state=True)])
+    local = for_process(prog, 2, 2)
+    assert local.rank == 1
+    assert local.bindings[0].placement is None and local.bindings[1].placement == Replicate()
+    assert local.bindings[2].placement == Colwise(0, halves[2:])
+    assert local.bindings[3].placement == Rowwise(1, halves[2:]) and local.bindings[3].state
+    with pytest.raises(ValueError, match="plan rank 3 is not one of this process's ranks 0 to 1"):
+        for_process(prog, 0, 2)
+
+
+def test_bad_host_options_are_named():
+    with pytest.raises(ValueError, match="process_group='world'"):
+        numatp.compile(torch.nn.Linear(2, 2), process_group="world")
+    with pytest.raises(ValueError, match="host_timeout=0"):
+        numatp.compile(torch.nn.Linear(2, 2), host_timeout=0)
+
+    class TwoHosts:
+        size, sockets = 2, (1, 1)
+
+        def agree(self, what, facts):
+            pass
+
+    with pytest.raises(ValueError, match="policy='auto' across 2 processes"):
+        NumaTPBackend(shared_cpu_topology(1), policy="auto", hosts=TwoHosts())
