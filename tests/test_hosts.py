@@ -146,3 +146,16 @@ def test_bad_host_options_are_named():
 
     with pytest.raises(ValueError, match="policy='auto' across 2 processes"):
         NumaTPBackend(shared_cpu_topology(1), policy="auto", hosts=TwoHosts())
+
+
+@pytest.mark.slow
+def test_numatp_generate_under_torchrun_matches_torch_compile_and_prints_once(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(CHILD.parent.parent / "src"))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "numatp", "generate", "llama", "--tiny", "--new-tokens", "6", "--prompt-len", "16",
+                           "--baseline"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert out.count("processes: 2 (torch.distributed, gloo)") == 1, out   # process 1 prints nothing
+    assert "numatp 2 processes x 1 sockets" in out, out
+    assert "greedy tokens identical" in out, out

@@ -49,9 +49,10 @@ class NumaTPBackend:
                           auto_measure=auto_measure, plan=plan, check=check, weights=weights,
                           keep_head=keep_head)   # the same checks as numatp.compile's
         if hosts is not None:
-            if policy != "always":
-                raise ValueError(f"policy={policy!r} across {hosts.size} processes: every process must run the same "
-                                 "plan, and only 'always' is decided by the graph alone; pass policy='always'")
+            if policy == "auto":
+                raise ValueError(f"policy='auto' across {hosts.size} processes: every process must run the same "
+                                 "plan, and 'auto' decides by each machine's own measurements; pass "
+                                 "policy='always' (or 'never': every process runs the whole model)")
             hosts.agree("their options", {"sockets": hosts.sockets, "policy": policy, "mode": mode,
                                            "weights": checked.weights, "keep_head": keep_head,
                                            "plan": checked.plan, "gemm": gemm is not False,

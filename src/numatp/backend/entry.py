@@ -73,7 +73,7 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     default group where ``torch.distributed`` is initialized with more than one process (one log line says
     so). ``host_timeout``: seconds a cross-host collective waits before it fails naming the process that
     stopped. Every process must compile the same model with the same options (checked, named if not);
-    policy must be "always" across hosts. See :mod:`numatp.runtime.hosts`. An unknown keyword is a
+    policy "auto" is refused across hosts (each machine would decide by its own measurements). See :mod:`numatp.runtime.hosts`. An unknown keyword is a
     TypeError that lists the valid ones and the closest (``polcy`` -> ``policy``).
 
     The first call with an input shape builds its socket programs (tens of seconds: tracing, GEMM

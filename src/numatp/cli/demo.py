@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from numatp.cli._launch import join_launcher
 from numatp.cli._weights import add_weight_args, check_weight_args, socket_bytes_line
 
 __all__ = ["add_parser", "run"]
@@ -53,8 +54,12 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+_QUIET = [False]   # under torchrun, every process but the first
+
+
 def _say(msg: str) -> None:
-    print(f"[numatp demo] {msg}", file=sys.stderr, flush=True)
+    if not _QUIET[0]:
+        print(f"[numatp demo] {msg}", file=sys.stderr, flush=True)
 
 
 def _time(fn, inputs, warmup: int, iters: int) -> list[float]:
@@ -84,6 +89,8 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    launch = join_launcher("demo")
+    _QUIET[0] = launch is not None and launch.quiet
 
     import warnings
 
@@ -95,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
     from numatp.topology import Topology, format_cpulist
 
     warnings.filterwarnings("ignore", message="numatp: virtual sockets")
-    topo = resolve_ranks(args.sockets, Topology.detect())
+    topo = resolve_ranks(args.sockets, Topology.detect(allowed_cpus=launch.cpus if launch and launch.cpus else None))
+    if launch is not None:
+        print(f"processes: {launch.world} (torch.distributed, gloo), each with its own sockets; results of process 0")
     kind = "virtual sockets on one memory node" if topo.is_virtual else "NUMA nodes"
     print(f"topology: {topo.num_sockets} {kind}: " +
           "; ".join(f"socket {s.index} = node {s.node}, CPUs {format_cpulist(s.cpus)}" for s in topo.sockets))

@@ -12,6 +12,7 @@ import argparse
 import sys
 import time
 
+from numatp.cli._launch import join_launcher
 from numatp.cli._weights import add_weight_args, check_weight_args, socket_bytes_line
 
 __all__ = ["add_parser", "run"]
@@ -50,8 +51,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+_QUIET = [False]   # under torchrun, every process but the first
+
+
 def _say(msg: str) -> None:
-    print(f"[numatp generate] {msg}", file=sys.stderr, flush=True)
+    if not _QUIET[0]:
+        print(f"[numatp generate] {msg}", file=sys.stderr, flush=True)
 
 
 # Files that carry a tokenizer's vocabulary: fast (tokenizer.json), sentencepiece, BPE and WordPiece ones.
@@ -94,6 +99,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     folder = _check_args(args)
+    launch = join_launcher("generate")
+    _QUIET[0] = launch is not None and launch.quiet
 
     import warnings
 
@@ -114,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise SystemExit(f"numatp generate: the tokenizer in {args.model} does not load: {e}; "
                              "use --prompt-len N for a random prompt") from e
-    topo = resolve_ranks(args.sockets, Topology.detect())
+    topo = resolve_ranks(args.sockets, Topology.detect(allowed_cpus=launch.cpus if launch and launch.cpus else None))
+    if launch is not None:
+        print(f"processes: {launch.world} (torch.distributed, gloo), each with its own sockets; results of process 0")
     dtype = getattr(torch, args.dtype)
     _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype})")
     model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
@@ -138,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline:
         runs.append(("torch.compile", torch.compile(model)))
     gemm = numatp.GemmOptions(first_token=True) if args.first_token else None
-    name = f"numatp {topo.num_sockets} sockets" + (f" {args.weights}" if args.weights else "")
+    hosts = f"{launch.world} processes x " if launch is not None else ""
+    name = f"numatp {hosts}{topo.num_sockets} sockets" + (f" {args.weights}" if args.weights else "")
     runs.append((name, numatp.compile(model, sockets=topo, gemm=gemm, weights=args.weights,
                                       keep_head=args.keep_head)))
     results = {}
