@@ -9,7 +9,9 @@ its one socket and writes what it saw as JSON to ``OUT/RANK.json``. Scenarios:
 - ``kill``: process 1 kills itself (SIGKILL) after 3 forwards; process 0 calls until one fails and
   records the error and how long after its last good call it came;
 - ``hang``: the same with SIGSTOP (a host that stops answering): the failure comes after ``host_timeout``;
-- ``mismatch``: process 1 builds one layer more; both record the compile's error.
+- ``mismatch``: process 1 builds one layer more; both record the compile's error;
+- ``node`` (the multi-node guest): process R takes NUMA node R's socket (its CPUs, its memory, shards
+  bound there strictly) instead of one CPU, and reports ``equal``'s facts with the pages per node.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ import traceback
 def main() -> None:
     scenario, rank, world, port, out, mode = sys.argv[1:7]
     rank, world = int(rank), int(world)
-    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    topology = None
+    if scenario == "node":
+        from numatp.topology import Topology
+        machine = Topology.detect()
+        topology = Topology.detect(allowed_cpus=machine.sockets[rank].cpus)
+        os.sched_setaffinity(0, topology.sockets[0].cpus)
+    else:
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     import torch
     import torch.distributed as dist
     import transformers
@@ -44,10 +53,11 @@ def main() -> None:
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
     timeout = {"kill": 10.0, "hang": 4.0}.get(scenario, 60.0)
-    fast = numatp.compile(model, sockets=1, mode=mode, host_timeout=timeout)
+    fast = numatp.compile(model, sockets=topology or 1, mode=mode, host_timeout=timeout,
+                          strict_placement=topology is not None)
     result: dict = {"rank": rank}
     try:
-        if scenario == "equal":
+        if scenario in ("equal", "node"):
             with torch.no_grad():
                 expected = model(ids, use_cache=False).logits
                 got = fast(ids, use_cache=False).logits
@@ -64,7 +74,9 @@ def main() -> None:
             result["layers"] = layers
             result["model_bytes"] = plan.model_bytes
             result["replicated_bytes"] = plan.replicated_bytes
-            result["held_bytes"] = sum(r["bytes"] for r in numatp.placement_report(fast)["ranks"])
+            report = numatp.placement_report(fast)
+            result["held_bytes"] = sum(r["bytes"] for r in report["ranks"])
+            result["pages"] = [{"node": r["node"], "pages": r["pages"]} for r in report["ranks"]]
             mask = torch.ones_like(ids)
             eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
             tokens = fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from numatp.cost import (
-    BUILTIN_PROFILES, MachineProfile, blocks_for, choose, decide, load_profile, predict, predict_model,
+    BUILTIN_PROFILES, MachineProfile, blocks_for, choose, decide, load_profile, predict, predict_decode, predict_model,
     save_profile,
 )
 from numatp.cost import paper
@@ -264,3 +264,24 @@ def test_predict_decode_lists_the_three_paper_platforms():
     result = json.loads(out.stdout)
     assert [p["platform"] for p in result["platforms"]] == list(BUILTIN_PROFILES)
     assert all(p["speedup"] > 1 and p["seconds"]["sharded"] > 0 for p in result["platforms"])
+
+
+def test_hosts_prediction_divides_the_step_and_adds_the_network():
+    from numatp.cost import predict_hosts
+    profile = load_profile("cascadelake-2s")
+    one = predict_decode("gpt2-medium", 1, 128, 64, "float32", profile)["sharded"]
+    fast = predict_hosts("gpt2-medium", 1, 128, 64, "float32", profile, 4, 100.0, 0.0)
+    assert fast["seconds"][0] == pytest.approx(one)   # one host: no network at all
+    assert fast["network"] > 0
+    assert all(b < a for a, b in zip(fast["seconds"], fast["seconds"][1:]))   # a free network: every host pays
+    slow = predict_hosts("gpt2-medium", 1, 128, 64, "float32", profile, 4, 100.0, 2000.0)
+    assert slow["seconds"][1] > slow["seconds"][0]   # 2 ms per message: a second host costs more than it gives
+    assert fast["speedup"] < 4
+    with pytest.raises(ValueError, match="hosts=0"):
+        predict_hosts("gpt2-medium", 1, 128, 64, "float32", profile, 0, 100.0, 1.0)
+
+
+def test_predict_hosts_needs_decode():
+    r = subprocess.run([sys.executable, "-m", "numatp", "predict", "--model", "gpt2", "--batch", "1", "--seq", "8",
+                        "--platform", "cascadelake-2s", "--hosts", "2"], capture_output=True, text=True)
+    assert r.returncode != 0 and "--hosts predicts a decode step across hosts; add --decode N" in r.stderr

@@ -73,8 +73,9 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     default group where ``torch.distributed`` is initialized with more than one process (one log line says
     so). ``host_timeout``: seconds a cross-host collective waits before it fails naming the process that
     stopped. Every process must compile the same model with the same options (checked, named if not);
-    policy "auto" is refused across hosts (each machine would decide by its own measurements). See :mod:`numatp.runtime.hosts`. An unknown keyword is a
-    TypeError that lists the valid ones and the closest (``polcy`` -> ``policy``).
+    policy "auto" is refused across hosts (each machine would decide by its own measurements). See
+    :mod:`numatp.runtime.hosts`. An unknown keyword is a TypeError that lists the valid ones and the
+    closest (``polcy`` -> ``policy``).
 
     The first call with an input shape builds its socket programs (tens of seconds: tracing, GEMM
     measurement, Inductor); numatp's progress lines say what it is doing (``numatp.set_progress``).

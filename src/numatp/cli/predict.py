@@ -7,7 +7,7 @@ import argparse
 import json
 
 from numatp.cost import (CHOICES, BUILTIN_PROFILES, MachineProfile, blocks_for, load_profile, predict, predict_decode,
-                         predict_model)
+                         predict_hosts, predict_model)
 from numatp.cost.paper import CITATION
 
 __all__ = ["add_parser"]
@@ -31,6 +31,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--decode", type=int, metavar="N",
                         help="predict a decode step instead: N new tokens after a prompt of --seq tokens; "
                         "without --platform, on each of the paper's platforms")
+    parser.add_argument("--hosts", type=int, metavar="H",
+                        help="with --decode: the step on 1 to H hosts of the platform, each process its host's "
+                        "sockets, joined by a network of --network-gbs and --network-latency-us")
+    parser.add_argument("--network-gbs", type=float, default=12.5, metavar="GB/s",
+                        help="with --hosts: each host's network bandwidth in GB/s (default 12.5: 100 Gb/s Ethernet)")
+    parser.add_argument("--network-latency-us", type=float, default=10.0, metavar="US",
+                        help="with --hosts: one message's latency in microseconds (default 10: TCP over a "
+                        "data-centre network; 1-3 for RDMA)")
     parser.add_argument("--paper", action="store_true",
                         help="compare the model with the paper's results (takes no other option but --json)")
     parser.add_argument("--json", action="store_true",
@@ -70,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"numatp predict: --paper runs the paper's own sweep on its three platforms, so "
                              f"it takes no {', '.join(given)}; drop them, or drop --paper")
         return _paper(args.json)
+    if args.hosts is not None and args.decode is None:
+        raise SystemExit("numatp predict: --hosts predicts a decode step across hosts; add --decode N")
     if args.decode is not None:
         return _decode(args)
     missing = [k for k, v in one.items() if v is None]
@@ -111,6 +121,8 @@ def _decode(args: argparse.Namespace) -> int:
     missing = [k for k, v in {"--model": args.model, "--batch": args.batch, "--seq": args.seq}.items() if v is None]
     if missing:
         raise SystemExit(f"numatp predict --decode: {', '.join(missing)} missing (--seq is the prompt length)")
+    if args.hosts is not None:
+        return _hosts(args)
     names = [args.platform] if args.platform else list(BUILTIN_PROFILES)
     rows, profiles = [], []
     try:
@@ -135,6 +147,42 @@ def _decode(args: argparse.Namespace) -> int:
         print(f"{r['platform']:<16} {r['sockets']:>7}  " + "  ".join(f"{r['seconds'][c] * 1e3:9.2f}ms" for c in CHOICES)
               + f"  {r['speedup']:>7.2f}x")
     print("(speedup: unsharded / sharded per token; sharded splits attention, MLP and the LM head)")
+    print(f"({assumptions(profiles, args.dtype, builtin=all(n in BUILTIN_PROFILES for n in names))})")
+    return 0
+
+
+def _hosts(args: argparse.Namespace) -> int:
+    if args.hosts < 1:
+        raise SystemExit(f"numatp predict: --hosts {args.hosts}: must be >= 1")
+    if args.network_gbs <= 0 or args.network_latency_us < 0:
+        raise SystemExit(f"numatp predict: --network-gbs {args.network_gbs:g} must be > 0 and --network-latency-us "
+                         f"{args.network_latency_us:g} >= 0")
+    names = [args.platform] if args.platform else list(BUILTIN_PROFILES)
+    rows, profiles = [], []
+    try:
+        for name in names:
+            profile = load_profile(name)
+            profiles.append(profile)
+            r = predict_hosts(args.model, args.batch, args.seq, args.decode, args.dtype, profile, args.hosts,
+                              args.network_gbs, args.network_latency_us)
+            rows.append({"platform": profile.name, "sockets": profile.sockets, **r})
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"numatp predict: {e}") from e
+    if args.json:
+        print(json.dumps({"model": args.model, "batch": args.batch, "prompt": args.seq, "new_tokens": args.decode,
+                          "dtype": args.dtype, "hosts": args.hosts, "network_gbs": args.network_gbs,
+                          "network_latency_us": args.network_latency_us, "platforms": rows}, indent=2))
+        return 0
+    print(f"{args.model} decode step, batch {args.batch}, prompt {args.seq} + {args.decode} new tokens, {args.dtype}, "
+          f"on 1 to {args.hosts} hosts joined by {args.network_gbs:g} GB/s, {args.network_latency_us:g} us per message")
+    print(f"{'platform':<16} {'sockets':>7}  " + "  ".join(f"{f'{h} host' + ('s' if h > 1 else ''):>11}"
+                                                          for h in range(1, args.hosts + 1)) + f"  {'speedup':>8}")
+    for r in rows:
+        print(f"{r['platform']:<16} {r['sockets']:>7}  " + "  ".join(f"{t * 1e3:9.2f}ms" for t in r["seconds"])
+              + f"  {r['speedup']:>7.2f}x")
+    print("(each host does its share of the one-host sharded step; every reduction and the logits gather add a "
+          "ring all-reduce across the hosts: 2 (H-1) messages and 2 (H-1)/H of its bytes; speedup: 1 host / "
+          f"{args.hosts} hosts. A second host pays where its share of the step outweighs the messages)")
     print(f"({assumptions(profiles, args.dtype, builtin=all(n in BUILTIN_PROFILES for n in names))})")
     return 0
 

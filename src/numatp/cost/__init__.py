@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from numatp.cost.decide import Decision, choose, decide, default_profile, predict_decode, predict_model
+from numatp.cost.decide import (Decision, choose, decide, default_profile, predict_decode, predict_hosts,
+                                predict_model)
 from numatp.cost.model import CHOICES, predict
 from numatp.cost.profile import BUILTIN_PROFILES, MachineProfile, default_profile_path, load_profile, save_profile
 from numatp.cost.shapes import BlockShape, blocks_for
@@ -27,7 +28,7 @@ __all__ = [
     "default_profile_path",
     "load_profile",
     "predict",
-    "predict_decode",
+    "predict_decode", "predict_hosts",
     "predict_model",
     "save_profile",
 ]

@@ -11,7 +11,7 @@ from numatp.cost.model import CHOICES, predict
 from numatp.cost.profile import MachineProfile, default_profile_path, load_profile
 from numatp.cost.shapes import BlockShape, blocks_for
 
-__all__ = ["Decision", "choose", "decide", "default_profile", "predict_decode", "predict_model"]
+__all__ = ["Decision", "choose", "decide", "default_profile", "predict_decode", "predict_hosts", "predict_model"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,38 @@ def predict_decode(
     out["context"] = context
     out["bytes"] = sum(b.weight_bytes() + b.cache_bytes() for b in blocks)
     return out
+
+
+def predict_hosts(preset: str | Mapping[str, Any], batch: int, prompt: int, new_tokens: int, dtype: str,
+                  profile: MachineProfile, hosts: int, network_gbs: float, latency_us: float) -> dict[str, Any]:
+    """Predicted seconds of one decode step on ``hosts`` hosts of ``profile`` (each host its sockets, numatp's
+    two levels: :mod:`numatp.runtime.hosts`), joined by a network of ``network_gbs`` GB/s per host and
+    ``latency_us`` per message.
+
+    Each host does 1/``hosts`` of the one-host sharded step (its weights, cached heads and in-host
+    reductions divide the same way: an upper bound on what a second host gives). Each of the step's
+    reductions (2 per layer and the vocabulary-parallel lookup's) adds one ring all-reduce of the
+    (batch, hidden) partial sum across the hosts, ``2 (H - 1)`` messages of latency and ``2 (H - 1) / H``
+    of its bytes at the network's rate; the logits gather is one more, of (batch, vocabulary) in fp32.
+    Returns ``{"seconds": [one host, ..., hosts], "speedup": one host / hosts, "network": seconds of the
+    network at ``hosts``}``."""
+    if hosts < 1 or network_gbs <= 0 or latency_us < 0:
+        raise ValueError(f"hosts={hosts}, network_gbs={network_gbs}, latency_us={latency_us}: hosts >= 1, a "
+                         "bandwidth > 0 and a latency >= 0")
+    one = predict_decode(preset, batch, prompt, new_tokens, dtype, profile)["sharded"]
+    blocks = blocks_for(preset, batch, 1, dtype, context=prompt + new_tokens // 2)
+    item = 2 if dtype == "bfloat16" else 4
+    hidden = blocks[0].hidden
+    vocab = next(b.inner for b in blocks if b.kind == "lm_head")
+    reductions = sum(b.kind in ("attention", "mlp") for b in blocks) + 1
+    seconds, network = [], 0.0
+    for h in range(1, hosts + 1):
+        messages = 2 * (h - 1)
+        share = 2 * (h - 1) / h
+        network = (reductions + 1) * messages * latency_us * 1e-6 + share * (
+            reductions * batch * hidden * item + batch * vocab * 4) / (network_gbs * 1e9)
+        seconds.append(one / h + network)
+    return {"seconds": seconds, "speedup": seconds[0] / seconds[-1], "network": network}
 
 
 def _builtin_for(sockets: int) -> str:

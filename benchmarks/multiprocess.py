@@ -1,0 +1,158 @@
+"""The paper's in-process claim, measured on one machine: 1 process with 2 sockets against 2 processes with
+1 socket each (torch.distributed, gloo over loopback), the same model and the same plan.
+
+Both configurations run the same sharded programs on the same CPUs (2 virtual sockets of this machine's
+CPUs, or its 2 NUMA nodes); they differ only in where a block's partial sums meet: in one address space
+(numatp's C++ collective, each socket reading its peer's partial in place) or across a process boundary
+(gloo: a copy through the kernel's loopback each way). Each configuration runs in its own child
+processes, one after the other: ``--rounds`` greedy generations of ``--new-tokens`` after a one untimed
+(compiling) generation; reported are the medians of the time to first token (the prompt's forward)
+and of the decode tokens/s, plus the time of one reduction per call: the
+in-process collective's (``ShardedExecutor.sync_seconds``) or the cross-process one's (``Hosts.seconds``).
+The ratio of the decode step times is the cost of the process boundary.
+
+    python benchmarks/multiprocess.py --model gpt2-medium --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _child(args: argparse.Namespace) -> None:
+    import torch
+
+    rank, world = args.rank, args.world
+    cpus = sorted(os.sched_getaffinity(0))
+    if world > 1:   # one process per socket: each takes its share of the CPUs
+        share = cpus[rank * len(cpus) // world:(rank + 1) * len(cpus) // world]
+        os.sched_setaffinity(0, share)
+        torch.set_num_threads(len(share))
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=world)
+    import transformers
+
+    import numatp
+    from numatp import zoo
+    from numatp.backend import backend_of
+    from numatp.generate import generate_timed
+    from numatp.topology import Topology
+
+    transformers.logging.set_verbosity_error()
+    numatp.set_progress(False)
+    sockets = 2 // world
+    topo = Topology.virtual(sockets=sockets, cpus=os.sched_getaffinity(0))
+    model = zoo.build(args.model, dtype=getattr(torch, args.dtype), tiny=args.tiny)
+    fast = numatp.compile(model, sockets=topo)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    backend = backend_of(fast)
+    hosts = backend.hosts
+    t0 = time.perf_counter()
+    generate_timed(fast, ids, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)   # compiles
+    compile_s = time.perf_counter() - t0
+    executors = [v.executor for g in backend.graphs for v in g.variants.values() if v.executor is not None]
+    for ex in executors:
+        ex.sync_seconds[:] = [0.0] * len(ex.sync_seconds)
+    reduced = sum(ex.performed["all_reduce"] for ex in executors)
+    host_s, host_n = (hosts.seconds, hosts.performed) if hosts is not None else (0.0, 0)
+    rates, firsts, tokens = [], [], None
+    for _ in range(args.rounds):
+        g = generate_timed(fast, ids, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+        rates.append(g.decode_tokens_per_second)
+        firsts.append(g.prefill_seconds)
+        tokens = g.sequences[0, -8:].tolist()
+    reduced = sum(ex.performed["all_reduce"] for ex in executors) - reduced
+    in_process = max(sum(ex.sync_seconds[r] for ex in executors) for r in range(sockets))
+    row = {"config": f"{world} process{'es' if world > 1 else ''} x {sockets} socket{'s' if sockets > 1 else ''}",
+           "rank": rank, "model": args.model, "dtype": args.dtype, "prompt": args.prompt,
+           "compile_s": round(compile_s, 1), "prefill_ms": 1e3 * statistics.median(firsts),
+           "decode_tok_s": statistics.median(rates), "decode_step_ms": 1e3 / statistics.median(rates),
+           "reductions": reduced, "reduction_us": 1e6 * in_process / max(reduced, 1),
+           "weight_bytes": sum(r["bytes"] for r in numatp.placement_report(fast)["ranks"]),
+           "last_tokens": tokens}
+    if hosts is not None:
+        n = hosts.performed - host_n
+        row["cross_process_us"] = 1e6 * (hosts.seconds - host_s) / max(n, 1)
+        row["cross_process_calls"] = n
+    print(json.dumps(row), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(world: int, args: argparse.Namespace) -> list[dict]:
+    port = str(_port())
+    base = [sys.executable, __file__, "--child", "--world", str(world), "--port", port, "--model", args.model,
+            "--dtype", args.dtype, "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
+            "--rounds", str(args.rounds)] + (["--tiny"] if args.tiny else [])
+    procs = [subprocess.Popen(base + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    rows = []
+    for p in procs:
+        out, err = p.communicate()
+        if p.returncode:
+            sys.stderr.write(err[-3000:])
+            raise SystemExit(f"multiprocess.py: a child of the {world}-process run failed")
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt2-medium", help="numatp.zoo preset (default gpt2-medium)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    ap.add_argument("--tiny", action="store_true", help="the preset's shrunken test config")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens per timed generation (default 32)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed generations (default 3)")
+    ap.add_argument("--out", help="append the JSON rows to this file")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--port", default="0", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        _child(args)
+        return
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("multiprocess.py: needs 2 CPUs or more (one socket per process)")
+    rows = []
+    for world in (1, 2):
+        print(f"[multiprocess] {world} process(es): compiling and timing", file=sys.stderr, flush=True)
+        got = _run(world, args)
+        rows += got
+        for r in got:
+            print(json.dumps(r), flush=True)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    one, two = rows[0], rows[1]
+    print(f"\n{args.model} {args.dtype}, prompt {args.prompt}, {args.new_tokens} new tokens; same plan, same CPUs")
+    print(f"{'configuration':<26} {'prompt ms':>11} {'decode ms/step':>15} {'reduction us':>13} "
+          f"{'weights MiB/process':>20}")
+    for r in (one, two):
+        red = r.get("cross_process_us", r["reduction_us"])
+        print(f"{r['config']:<26} {r['prefill_ms']:>11.1f} {r['decode_step_ms']:>15.2f} {red:>13.0f} "
+              f"{r['weight_bytes'] / 2**20:>20.1f}")
+    print(f"2 processes / 1 process: prompt {two['prefill_ms'] / one['prefill_ms']:.2f}x, decode step "
+          f"{two['decode_step_ms'] / one['decode_step_ms']:.2f}x (the cost of the process boundary: "
+          f"{two['decode_step_ms'] - one['decode_step_ms']:.2f} ms per step, {two['reductions']} reductions over "
+          f"{args.rounds} generations); weights per process {two['weight_bytes'] / one['weight_bytes']:.2f}x")
+    same = one["last_tokens"] == two["last_tokens"] == rows[2]["last_tokens"]
+    print(f"greedy tokens of both configurations: {'identical' if same else 'differ'}")
+
+
+if __name__ == "__main__":
+    main()
