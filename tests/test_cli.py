@@ -214,8 +214,9 @@ def test_demo_runs_baseline_and_numatp_side_by_side():
     rows = [line for line in r.stdout.splitlines() if line.startswith(("baseline", "numatp unsharded", "numatp sharded"))]
     assert len(rows) == 3, r.stdout
     assert re.search(r"socket 1 weights -> node 0: \d+ pages \(\d+ KiB\)", r.stdout)
-    assert re.search(r"^weights \(float32, not quantized\) per socket: socket 0: \d+\.\d KiB, socket 1: \d+\.\d KiB; "
-                     r"the model in float32: \d+\.\d KiB$", r.stdout, re.MULTILINE), r.stdout
+    # a socket holding a packed GEMM operand beside its shard may pass 1 MiB (the provider is measured)
+    assert re.search(r"^weights \(float32, not quantized\) per socket: socket 0: \d+\.\d+ [KM]iB, "
+                     r"socket 1: \d+\.\d+ [KM]iB; the model in float32: \d+\.\d KiB$", r.stdout, re.MULTILINE), r.stdout
 
 
 @pytest.mark.slow   # a fresh interpreter compiling three modes (~35 s)
