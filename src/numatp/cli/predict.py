@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
+from typing import Any
 
 from numatp.cost import (CHOICES, BUILTIN_PROFILES, MachineProfile, blocks_for, load_profile, predict, predict_decode,
                          predict_hosts, predict_model)
@@ -124,17 +126,13 @@ def _decode(args: argparse.Namespace) -> int:
     if args.hosts is not None:
         return _hosts(args)
     names = [args.platform] if args.platform else list(BUILTIN_PROFILES)
-    rows, profiles = [], []
-    try:
-        for name in names:
-            profile = load_profile(name)
-            profiles.append(profile)
-            r = predict_decode(args.model, args.batch, args.seq, args.decode, args.dtype, profile)
-            rows.append({"platform": profile.name, "sockets": profile.sockets, "context": r["context"],
-                         "bytes": r["bytes"], "seconds": {c: r[c] for c in CHOICES}, "speedup": r["speedup"],
-                         "roofline_tokens_per_s": profile.local_bw_gbs * 1e9 / r["bytes"]})
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"numatp predict: {e}") from e
+
+    def row(profile: MachineProfile) -> dict[str, Any]:
+        r = predict_decode(args.model, args.batch, args.seq, args.decode, args.dtype, profile)
+        return {"context": r["context"], "bytes": r["bytes"], "seconds": {c: r[c] for c in CHOICES},
+                "speedup": r["speedup"], "roofline_tokens_per_s": profile.local_bw_gbs * 1e9 / r["bytes"]}
+
+    rows, profiles = _per_platform(names, row)
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch, "prompt": args.seq, "new_tokens": args.decode,
                           "dtype": args.dtype, "platforms": rows}, indent=2))
@@ -151,6 +149,21 @@ def _decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _per_platform(names: list[str], predict_one: Callable[[MachineProfile], dict[str, Any]]
+                  ) -> tuple[list[dict[str, Any]], list[MachineProfile]]:
+    """One row per platform profile (its name and sockets, then ``predict_one``'s keys), and the profiles;
+    a bad profile or model is one line."""
+    rows, profiles = [], []
+    try:
+        for name in names:
+            profile = load_profile(name)
+            profiles.append(profile)
+            rows.append({"platform": profile.name, "sockets": profile.sockets, **predict_one(profile)})
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"numatp predict: {e}") from e
+    return rows, profiles
+
+
 def _hosts(args: argparse.Namespace) -> int:
     if args.hosts < 1:
         raise SystemExit(f"numatp predict: --hosts {args.hosts}: must be >= 1")
@@ -158,16 +171,9 @@ def _hosts(args: argparse.Namespace) -> int:
         raise SystemExit(f"numatp predict: --network-gbs {args.network_gbs:g} must be > 0 and --network-latency-us "
                          f"{args.network_latency_us:g} >= 0")
     names = [args.platform] if args.platform else list(BUILTIN_PROFILES)
-    rows, profiles = [], []
-    try:
-        for name in names:
-            profile = load_profile(name)
-            profiles.append(profile)
-            r = predict_hosts(args.model, args.batch, args.seq, args.decode, args.dtype, profile, args.hosts,
-                              args.network_gbs, args.network_latency_us)
-            rows.append({"platform": profile.name, "sockets": profile.sockets, **r})
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"numatp predict: {e}") from e
+    rows, profiles = _per_platform(names, lambda profile: predict_hosts(
+        args.model, args.batch, args.seq, args.decode, args.dtype, profile, args.hosts, args.network_gbs,
+        args.network_latency_us))
     if args.json:
         print(json.dumps({"model": args.model, "batch": args.batch, "prompt": args.seq, "new_tokens": args.decode,
                           "dtype": args.dtype, "hosts": args.hosts, "network_gbs": args.network_gbs,
