@@ -4,7 +4,10 @@
 Both configurations run the same sharded programs on the same CPUs (2 virtual sockets of this machine's
 CPUs, or its 2 NUMA nodes); they differ only in where a block's partial sums meet: in one address space
 (numatp's C++ collective, each socket reading its peer's partial in place) or across a process boundary
-(gloo: a copy through the kernel's loopback each way). Each configuration runs in its own child
+(gloo: a copy through the kernel's loopback each way). Each of the 2 processes builds the model with
+``shards_only=True`` and reads only its own shards (``--whole``: every process builds all of it); the
+resident growth of each process, from before the model is built to after the timed generations, is
+reported beside the weight bytes numatp holds. Each configuration runs in its own child
 processes, one after the other: ``--rounds`` greedy generations of ``--new-tokens`` after a one untimed
 (compiling) generation; reported are the medians of the time to first token (the prompt's forward)
 and of the decode tokens/s, plus the time of one reduction per call: the
@@ -49,7 +52,10 @@ def _child(args: argparse.Namespace) -> None:
     numatp.set_progress(False)
     sockets = 2 // world
     topo = Topology.virtual(sockets=sockets, cpus=os.sched_getaffinity(0))
-    model = zoo.build(args.model, dtype=getattr(torch, args.dtype), tiny=args.tiny)
+    rss0 = _rss()
+    # each of several processes reads only its own shards (numatp.zoo.build(shards_only=True))
+    model = zoo.build(args.model, dtype=getattr(torch, args.dtype), tiny=args.tiny,
+                      shards_only=world > 1 and not args.whole)
     fast = numatp.compile(model, sockets=topo)
     ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
     backend = backend_of(fast)
@@ -76,6 +82,7 @@ def _child(args: argparse.Namespace) -> None:
            "decode_tok_s": statistics.median(rates), "decode_step_ms": 1e3 / statistics.median(rates),
            "reductions": reduced, "reduction_us": 1e6 * in_process / max(reduced, 1),
            "weight_bytes": sum(r["bytes"] for r in numatp.placement_report(fast)["ranks"]),
+           "rss_growth_bytes": _rss() - rss0,
            "last_tokens": tokens}
     if hosts is not None:
         n = hosts.performed - host_n
@@ -84,6 +91,12 @@ def _child(args: argparse.Namespace) -> None:
     print(json.dumps(row), flush=True)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _rss() -> int:
+    """This process's resident bytes now (VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def _port() -> int:
@@ -96,7 +109,7 @@ def _run(world: int, args: argparse.Namespace) -> list[dict]:
     port = str(_port())
     base = [sys.executable, __file__, "--child", "--world", str(world), "--port", port, "--model", args.model,
             "--dtype", args.dtype, "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-            "--rounds", str(args.rounds)] + (["--tiny"] if args.tiny else [])
+            "--rounds", str(args.rounds)] + (["--tiny"] if args.tiny else []) + (["--whole"] if args.whole else [])
     procs = [subprocess.Popen(base + ["--rank", str(r)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     rows = []
@@ -117,6 +130,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens per timed generation (default 32)")
     ap.add_argument("--rounds", type=int, default=3, help="timed generations (default 3)")
+    ap.add_argument("--whole", action="store_true",
+                    help="every process builds the whole model (default: each of 2 processes reads its shards only)")
     ap.add_argument("--out", help="append the JSON rows to this file")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -141,15 +156,18 @@ def main() -> None:
     one, two = rows[0], rows[1]
     print(f"\n{args.model} {args.dtype}, prompt {args.prompt}, {args.new_tokens} new tokens; same plan, same CPUs")
     print(f"{'configuration':<26} {'prompt ms':>11} {'decode ms/step':>15} {'reduction us':>13} "
-          f"{'weights MiB/process':>20}")
+          f"{'weights MiB/process':>20} {'RSS growth MiB':>15}")
     for r in (one, two):
         red = r.get("cross_process_us", r["reduction_us"])
         print(f"{r['config']:<26} {r['prefill_ms']:>11.1f} {r['decode_step_ms']:>15.2f} {red:>13.0f} "
-              f"{r['weight_bytes'] / 2**20:>20.1f}")
+              f"{r['weight_bytes'] / 2**20:>20.1f} {r['rss_growth_bytes'] / 2**20:>15.1f}")
     print(f"2 processes / 1 process: prompt {two['prefill_ms'] / one['prefill_ms']:.2f}x, decode step "
           f"{two['decode_step_ms'] / one['decode_step_ms']:.2f}x (the cost of the process boundary: "
           f"{two['decode_step_ms'] - one['decode_step_ms']:.2f} ms per step, {two['reductions']} reductions over "
-          f"{args.rounds} generations); weights per process {two['weight_bytes'] / one['weight_bytes']:.2f}x")
+          f"{args.rounds} generations); weights per process {two['weight_bytes'] / one['weight_bytes']:.2f}x, "
+          f"resident growth per process (model, shards, programs) "
+          f"{max(r['rss_growth_bytes'] for r in rows[1:]) / one['rss_growth_bytes']:.2f}x"
+          + (" (each process built the whole model)" if args.whole else " (each process read its shards only)"))
     same = one["last_tokens"] == two["last_tokens"] == rows[2]["last_tokens"]
     print(f"greedy tokens of both configurations: {'identical' if same else 'differ'}")
 

@@ -10,6 +10,8 @@ its one socket and writes what it saw as JSON to ``OUT/RANK.json``. Scenarios:
   records the error and how long after its last good call it came;
 - ``hang``: the same with SIGSTOP (a host that stops answering): the failure comes after ``host_timeout``;
 - ``mismatch``: process 1 builds one layer more; both record the compile's error;
+- ``shards``: ``equal`` on a model built with ``shards_only=True`` from the checkpoint the test saved
+  (``NUMATP_TEST_CHECKPOINT``), reporting the elements this process read from it;
 - ``node`` (the multi-node guest): process R takes NUMA node R's socket (its CPUs, its memory, shards
   bound there strictly) instead of one CPU, and reports ``equal``'s facts with the pages per node.
 """
@@ -51,13 +53,17 @@ def main() -> None:
                                    num_key_value_heads=2, num_hidden_layers=layers, vocab_size=256,
                                    max_position_embeddings=128)
     model = transformers.LlamaForCausalLM(cfg).eval()
+    compiled = model
+    if scenario == "shards":   # the test saved `model` here: read this process's slices of it
+        from numatp import zoo
+        compiled = zoo.build(os.environ["NUMATP_TEST_CHECKPOINT"], shards_only=True)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
     timeout = {"kill": 10.0, "hang": 4.0}.get(scenario, 60.0)
-    fast = numatp.compile(model, sockets=topology or 1, mode=mode, host_timeout=timeout,
+    fast = numatp.compile(compiled, sockets=topology or 1, mode=mode, host_timeout=timeout,
                           strict_placement=topology is not None)
     result: dict = {"rank": rank}
     try:
-        if scenario in ("equal", "node"):
+        if scenario in ("equal", "node", "shards"):
             with torch.no_grad():
                 expected = model(ids, use_cache=False).logits
                 got = fast(ids, use_cache=False).logits
@@ -82,6 +88,10 @@ def main() -> None:
             tokens = fast.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
             result["tokens"] = tokens.tolist()
             result["eager_tokens"] = eager.tolist()
+            sources = getattr(compiled, "numatp_sources", None)
+            if sources:
+                result["read_elements"] = sum(src.read_elements for src in sources.values())
+                result["model_elements"] = sum(p.numel() for p in model.parameters())
             sampled = fast.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, pad_token_id=0,
                                     generator=torch.Generator().manual_seed(100 + rank))
             result["sampled"] = sampled.tolist()

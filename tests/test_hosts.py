@@ -34,10 +34,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _hosts(scenario: str, tmp_path: Path, mode: str = "eager", wait: float = 240.0) -> dict[int, dict]:
+def _hosts(scenario: str, tmp_path: Path, mode: str = "eager", wait: float = 240.0, **env_vars: str) -> dict[int, dict]:
     """Run ``scenario`` in 2 processes; each rank's report (a rank that was killed has none)."""
     port = str(_port())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHILD.parent.parent / "src"), str(CHILD.parent.parent)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHILD.parent.parent / "src"), str(CHILD.parent.parent)]),
+               **env_vars)
     procs = [subprocess.Popen([sys.executable, str(CHILD), scenario, str(r), "2", port, str(tmp_path), mode],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
@@ -91,6 +92,21 @@ def test_two_processes_match_eager_hold_half_the_weights_and_sample_alike(tmp_pa
 @pytest.mark.slow
 def test_two_processes_compiled_with_inductor_match_eager(tmp_path):
     _equal(_hosts("equal", tmp_path, mode="inductor"))
+
+
+def test_each_process_reads_only_its_slices_of_a_checkpoint(tmp_path):
+    import transformers
+    torch.manual_seed(0)   # the model hosts_child.py builds, saved for its processes to read
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
+                                   max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    got = _hosts("shards", tmp_path, NUMATP_TEST_CHECKPOINT=str(tmp_path / "ckpt"))
+    _equal(got)
+    for d in got.values():
+        # its shards and the replicated norms: about half of the checkpoint's elements, never all of it
+        assert d["read_elements"] <= 0.55 * d["model_elements"], (d["read_elements"], d["model_elements"])
+    assert got[0]["read_elements"] + got[1]["read_elements"] >= got[0]["model_elements"]
 
 
 def test_a_killed_process_is_named_by_its_peer_within_the_timeout(tmp_path):

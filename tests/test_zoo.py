@@ -203,3 +203,37 @@ def test_weights_that_do_not_fit_are_refused_with_the_way_out():
     with pytest.raises(MemoryError, match=r"'phi-3-mini' in float32 needs 14.2 GiB.*10.0 GiB available.*bfloat16.*tiny"):
         build("phi-3-mini", machine=small)
     assert build("phi-3-mini", tiny=True, machine=small).config.num_hidden_layers == 2   # the tiny twin builds all the same
+
+
+@pytest.mark.parametrize("source", ["preset", "checkpoint"])
+def test_a_shards_only_model_runs_through_numatp_as_the_full_build(source, tmp_path):
+    import numatp
+    from tests.helpers import fresh_dynamo, shared_cpu_topology
+
+    fresh_dynamo()
+    full = build("llama", tiny=True)
+    name = "llama"
+    if source == "checkpoint":
+        full.save_pretrained(tmp_path / "ckpt")
+        name = str(tmp_path / "ckpt")
+    lazy = build(name, tiny=name == "llama", shards_only=True)
+    # nothing was written into the parameters: the values come from the sources alone
+    assert all(not bool(p.eq(q).all()) for p, q in zip(lazy.parameters(), full.parameters()) if p.dim() >= 2)
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    fast = numatp.compile(lazy, sockets=shared_cpu_topology(2), mode="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, full(ids).logits, atol=2e-5, rtol=1e-4)
+    got = fast.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, full.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    read = sum(s.read_elements for s in lazy.numatp_sources.values())
+    matrices = sum(p.numel() for p in full.parameters() if p.dim() >= 2)
+    assert matrices <= read <= 2 * matrices   # each socket's part (the replicated read once per socket)
+
+
+def test_shards_only_needs_safetensors(tmp_path):
+    full = build("llama", tiny=True)
+    (tmp_path / "ckpt").mkdir()
+    full.config.save_pretrained(tmp_path / "ckpt")
+    torch.save(full.state_dict(), tmp_path / "ckpt" / "pytorch_model.bin")   # a checkpoint without safetensors
+    with pytest.raises(ValueError, match="has no model.safetensors"):
+        build(str(tmp_path / "ckpt"), shards_only=True)

@@ -86,6 +86,7 @@ class NumaTPBackend:
         self._group: SocketGroup | None = None
         self._whole: tuple[SocketGroup, WeightStore, StateStore] | None = None
         self._imported: dict[int, tuple[str, Any]] = {}
+        self._sources: dict[int, Any] = {}
 
     @classmethod
     def from_options(cls, options: Options, *, names: dict[int, str] | None = None) -> NumaTPBackend:
@@ -119,6 +120,14 @@ class NumaTPBackend:
         self.weights.imported = imported
         self._imported = imported
 
+    def read_from(self, sources: dict[int, Any]) -> None:
+        """Parameters whose values the model does not hold (``id -> source``, :data:`numatp.backend.weights.Source`):
+        every store reads their shards from the sources."""
+        self.weights.sources = sources
+        self._sources = sources
+        if self._whole is not None:
+            self._whole[1].sources = sources
+
     @property
     def group(self) -> SocketGroup:
         """The socket workers, started on the first sharded graph."""
@@ -135,6 +144,7 @@ class NumaTPBackend:
             whole = self.topology.whole()
             self._whole = SocketGroup(whole), WeightStore(whole, place=False), StateStore(whole)
             self._whole[1].imported = self._imported
+            self._whole[1].sources = self._sources
         return self._whole
 
     @contextlib.contextmanager
@@ -162,6 +172,7 @@ class NumaTPBackend:
         self.weights = WeightStore(self.topology)
         self.states = StateStore(self.topology)
         self._imported = {}
+        self._sources = {}
         for graph in self.graphs:
             graph.release()
         self.graphs = []

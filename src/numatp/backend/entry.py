@@ -36,6 +36,10 @@ __all__ = ["RECOMPILE_LIMIT", "BackendOptionError", "CompiledModel", "backend_of
 
 log = logging.getLogger("numatp")
 
+SOURCES = "numatp_sources"
+"""The attribute of a model whose parameters hold no values (``numatp.zoo.build(..., shards_only=True)``):
+``{parameter name: source}``, where numatp reads each shard (:data:`numatp.backend.weights.Source`)."""
+
 
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",
             mode: str = "inductor", strict_placement: bool = False,
@@ -108,6 +112,10 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     if imported:
         params = dict(model.named_parameters(remove_duplicate=False))
         backend.import_quantized({id(params[n]): (n, v) for n, v in imported.items()})
+    sources = getattr(model, SOURCES, None)
+    if sources:   # numatp.zoo.build(..., shards_only=True): the values are read shard by shard from these
+        params = dict(model.named_parameters(remove_duplicate=False))
+        backend.read_from({id(params[n]): src for n, src in sources.items() if n in params})
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an
     # attribute on the result would land on ``model`` itself, and on every later compile of it
     # isolate_recompiles and recompile_limit are keywords of torch.compile's implementation that its

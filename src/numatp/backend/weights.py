@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import resource
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +27,21 @@ from numatp.plan.reference import shard_tensor
 from numatp.plan.schema import Replicate
 from numatp.topology import Topology
 
-__all__ = ["WeightStore"]
+__all__ = ["Source", "WeightStore", "read_shard"]
+
+Source = Callable[[int | None, int, int], torch.Tensor]
+"""A parameter's values where the model does not hold them: ``source(dim, lo, hi)`` is the parameter's
+indices ``[lo, hi)`` along ``dim`` (a new tensor in the parameter's dtype), ``source(None, 0, 0)`` the
+whole parameter."""
+
+
+def read_shard(source: Source, placement: Any, rank: int) -> torch.Tensor:
+    """Socket ``rank``'s part of a parameter under ``placement``, read from ``source`` piece by piece (the
+    same values as :func:`numatp.plan.reference.shard_tensor` cuts from the whole parameter)."""
+    if isinstance(placement, Replicate):
+        return source(None, 0, 0).contiguous()
+    pieces = [source(placement.dim, lo, hi) for lo, hi in placement.splits[rank].intervals]
+    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, placement.dim)
 
 
 class WeightStore:
@@ -37,6 +52,10 @@ class WeightStore:
         self._made: dict[tuple, torch.Tensor] = {}
         self._keep: list[Any] = []   # the source tensors of the keys above stay alive while we use their id
         self._operands = PreparedOperands()
+        self.sources: dict[int, Source] = {}
+        """``id(parameter) -> source`` for parameters whose values are not in the model (built with
+        ``numatp.zoo.build(..., shards_only=True)``): each shard is read from its source (a checkpoint's
+        slices, or a preset's generator), never from the parameter, so a process holds its shards alone."""
         self.imported: dict[int, tuple[str, Any]] = {}
         """``id(parameter) -> (name, values)`` for parameters quantized before numatp saw them (torchao's,
         :mod:`numatp.quant.torchao`): their shards are cut from those values (never re-quantized) into
@@ -56,7 +75,8 @@ class WeightStore:
         if key not in self._made:
             self._keep.append(param)
             with torch.no_grad():
-                local = shard_tensor(param.detach(), p, rank)
+                source = self.sources.get(id(param))
+                local = shard_tensor(param.detach(), p, rank) if source is None else read_shard(source, p, rank)
                 if not self.place:   # virtual sockets: the compile's log line says weights are not placed
                     local = local.contiguous()
                 else:

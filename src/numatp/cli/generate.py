@@ -126,7 +126,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"processes: {launch.world} (torch.distributed, gloo), each with its own sockets; results of process 0")
     dtype = getattr(torch, args.dtype)
     _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype})")
-    model = zoo.build(args.model, tiny=args.tiny, dtype=dtype)
+    # across processes each reads only its own shards, unless the baseline needs the whole model
+    shards_only = launch is not None and not args.baseline
+    model = zoo.build(args.model, tiny=args.tiny, dtype=dtype, shards_only=shards_only)
+    if shards_only:
+        _say("each process reads only its own shards of the weights (--baseline builds them whole)")
     if tokenizer is not None:
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:

@@ -91,22 +91,31 @@ def can_generate(name_or_path: str, *, tiny: bool = False) -> bool:
 
 
 @torch.no_grad()
-def _fill_random(model: torch.nn.Module, seed: int) -> None:
+def _fill_random(model: torch.nn.Module, seed: int, draw: bool = True) -> dict[str, Any]:
     """Initialise every parameter deterministically, fast (one normal_ pass, no kaiming_uniform).
 
     Matrices and embeddings get N(0, 0.02); biases 0; LayerNorm scales 1. RMSNorm scales keep
     the value their constructor gave them (ones for Llama, zeros for Gemma's ``1 + weight``).
-    Tied parameters appear once in ``named_parameters`` and so are filled once.
+    Tied parameters appear once in ``named_parameters`` and so are filled once. ``draw=False`` leaves the
+    matrices unwritten and returns, per matrix, a source that draws its values again (the generator
+    advanced as the full draw advances it, one temporary matrix at a time).
     """
+    from numatp.zoo._shards import Regenerated
+
     gen = torch.Generator().manual_seed(seed)
     layer_norms = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.LayerNorm) and m.weight is not None}
+    sources: dict[str, Any] = {}
     for name, param in model.named_parameters():
-        if param.dim() >= 2:
+        if param.dim() >= 2 and not draw:
+            sources[name] = Regenerated(gen.get_state(), tuple(param.shape), param.dtype, _INIT_STD)
+            torch.empty(param.shape, dtype=param.dtype).normal_(0.0, _INIT_STD, generator=gen)
+        elif param.dim() >= 2:
             param.normal_(0.0, _INIT_STD, generator=gen)
         elif name.endswith("bias"):
             param.zero_()
         elif id(param) in layer_norms:
             param.fill_(1.0)
+    return sources
 
 
 def _check_attn(attn_implementation: str) -> None:
@@ -140,6 +149,7 @@ def build(
     seed: int = 0,
     attn_implementation: str = "sdpa",
     machine: MachineFacts | None = None,
+    shards_only: bool = False,
 ) -> transformers.PreTrainedModel:
     """Build a preset with random weights, or load a local checkpoint, in eval mode and ``dtype``.
 
@@ -149,6 +159,12 @@ def build(
     A folder with a ``config.json`` is loaded with ``from_pretrained`` (``AutoModelForCausalLM``,
     ``AutoModelForMaskedLM`` for BERT, or ``AutoModel`` when ``head=False``). Random weights that would
     not fit in the memory ``machine`` has available (this machine's now, where None) are refused first.
+
+    ``shards_only=True``: the parameters are allocated and never written (none of their pages resident);
+    ``numatp.compile`` reads each socket's shard from the checkpoint's safetensors slices, or draws a
+    preset's again from its generator state (the same values as a full build): a process of a compile
+    across hosts holds only its own shards (:mod:`numatp.zoo._shards`). Such a model runs only through
+    ``numatp.compile``: a plain forward computes with unwritten parameters.
     """
     _check_attn(attn_implementation)
     folder = _checkpoint_folder(name_or_path, tiny=tiny)
@@ -160,19 +176,36 @@ def build(
             auto = transformers.AutoModelForMaskedLM
         else:
             auto = transformers.AutoModelForCausalLM
+        if shards_only:
+            from numatp.zoo._shards import checkpoint_sources
+            cfg.use_cache = False
+            with no_init_weights():
+                model = auto.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+            model.tie_weights()
+            return _shards_only(model, checkpoint_sources(folder, model, dtype))
         model = auto.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation)
         model.config.use_cache = False
         return model.eval()
 
     cfg = _resolve_config(name_or_path, tiny=tiny)
     cls = _model_class(cfg, head=head)
-    _check_memory(name_or_path, cfg, head=head, dtype=dtype, machine=machine)
+    if not shards_only:
+        _check_memory(name_or_path, cfg, head=head, dtype=dtype, machine=machine)
     # Skip torch's and transformers' default init (slow kaiming_uniform over ~1B parameters);
     # _fill_random then writes every parameter once.
     with no_init_weights():
         model = cls._from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
     model.tie_weights()
+    if shards_only:
+        return _shards_only(model, _fill_random(model, seed, draw=False))
     _fill_random(model, seed)
+    return model.eval()
+
+
+def _shards_only(model: transformers.PreTrainedModel, sources: dict[str, Any]) -> transformers.PreTrainedModel:
+    from numatp.backend.entry import SOURCES
+
+    setattr(model, SOURCES, sources)
     return model.eval()
 
 
