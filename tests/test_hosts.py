@@ -37,8 +37,9 @@ def _port() -> int:
 def _hosts(scenario: str, tmp_path: Path, mode: str = "eager", wait: float = 240.0, **env_vars: str) -> dict[int, dict]:
     """Run ``scenario`` in 2 processes; each rank's report (a rank that was killed has none)."""
     port = str(_port())
+    # gloo picks its interface from the host name, which a minimal machine (the guest) may not resolve: loopback
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(CHILD.parent.parent / "src"), str(CHILD.parent.parent)]),
-               **env_vars)
+               GLOO_SOCKET_IFNAME="lo", **env_vars)
     procs = [subprocess.Popen([sys.executable, str(CHILD), scenario, str(r), "2", port, str(tmp_path), mode],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
@@ -166,7 +167,7 @@ def test_bad_host_options_are_named():
 
 @pytest.mark.slow
 def test_numatp_generate_under_torchrun_matches_torch_compile_and_prints_once(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(CHILD.parent.parent / "src"))
+    env = dict(os.environ, PYTHONPATH=str(CHILD.parent.parent / "src"), GLOO_SOCKET_IFNAME="lo")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "numatp", "generate", "llama", "--tiny", "--new-tokens", "6", "--prompt-len", "16",
                            "--baseline"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)

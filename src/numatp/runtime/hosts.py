@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -111,13 +112,23 @@ class Hosts:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the processes, in place (``t`` contiguous); returns ``t``."""
-        import torch.distributed as dist
-
         t0 = time.perf_counter()
-        self._call(dist.all_reduce, t, group=self.group)
+        self._call(self._polled, t)
         self.seconds += time.perf_counter() - t0
         self.performed += 1
         return t
+
+    def _polled(self, t: torch.Tensor) -> None:
+        """The group's own all-reduce (no per-call checks), waited for by polling and yielding the CPU, not
+        by sleeping: measured on a 2-core VM, 2 processes, a decode step's reductions: a sleeping waiter
+        woke 3-5 ms late on 10-20% of them (p90 3.2 ms against a median of 0.22 ms), a polling one was
+        late on none (p90 0.26 ms) and the step took half the time. A waiting socket's CPU has nothing
+        else to do; gloo's own threads get it at every yield. An error (a peer gone, the timeout) ends
+        the work and ``wait`` raises it."""
+        work = self.group.allreduce([t])
+        while not work.is_completed():
+            os.sched_yield()
+        work.wait()
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Process ``src``'s ``t`` in every process, in place."""
