@@ -217,8 +217,10 @@ def test_a_shards_only_model_runs_through_numatp_as_the_full_build(source, tmp_p
         full.save_pretrained(tmp_path / "ckpt")
         name = str(tmp_path / "ckpt")
     lazy = build(name, tiny=name == "llama", shards_only=True)
-    # nothing was written into the parameters: the values come from the sources alone
-    assert all(not bool(p.eq(q).all()) for p, q in zip(lazy.parameters(), full.parameters()) if p.dim() >= 2)
+    with torch.no_grad():   # numatp reads the sources, never the parameters: poison them
+        for p in lazy.parameters():
+            if p.dim() >= 2:
+                p.fill_(float("nan"))
     ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
     fast = numatp.compile(lazy, sockets=shared_cpu_topology(2), mode="eager")
     with torch.no_grad():

@@ -34,11 +34,9 @@ from numatp.topology import Topology
 __all__ = ["RECOMPILE_LIMIT", "BackendOptionError", "CompiledModel", "backend_of", "compile", "compiled_by_numatp",
            "numatp_backend", "placement_report", "plans"]
 
-log = logging.getLogger("numatp")
+from numatp.zoo._shards import SOURCES
 
-SOURCES = "numatp_sources"
-"""The attribute of a model whose parameters hold no values (``numatp.zoo.build(..., shards_only=True)``):
-``{parameter name: source}``, where numatp reads each shard (:data:`numatp.backend.weights.Source`)."""
+log = logging.getLogger("numatp")
 
 
 def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, policy: str = "always",

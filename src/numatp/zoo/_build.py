@@ -203,7 +203,7 @@ def build(
 
 
 def _shards_only(model: transformers.PreTrainedModel, sources: dict[str, Any]) -> transformers.PreTrainedModel:
-    from numatp.backend.entry import SOURCES
+    from numatp.zoo._shards import SOURCES
 
     setattr(model, SOURCES, sources)
     return model.eval()

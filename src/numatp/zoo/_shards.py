@@ -19,7 +19,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CheckpointSlices", "Regenerated", "checkpoint_sources"]
+__all__ = ["SOURCES", "CheckpointSlices", "Regenerated", "checkpoint_sources"]
+
+SOURCES = "numatp_sources"
+"""The attribute of a shards-only model: ``{parameter name: source}``, where ``numatp.compile`` reads each
+shard (:data:`numatp.backend.weights.Source`)."""
 
 
 class Regenerated:
