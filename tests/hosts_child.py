@@ -82,6 +82,8 @@ def main() -> None:
             result["replicated_bytes"] = plan.replicated_bytes
             report = numatp.placement_report(fast)
             result["held_bytes"] = sum(r["bytes"] for r in report["ranks"])
+            first = sum(backend_of(fast).hosts.sockets[:rank])
+            result["plan_bytes"] = sum(plan.socket_bytes(first + r) for r in range(len(report["ranks"])))
             result["pages"] = [{"node": r["node"], "pages": r["pages"]} for r in report["ranks"]]
             mask = torch.ones_like(ids)
             eager = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)

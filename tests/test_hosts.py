@@ -78,11 +78,14 @@ def _equal(got: dict[int, dict]) -> None:
         # one cross-host sum per reduction of the plan (2 per layer, 1 for the lookup) and one per gather
         assert d["plan_reductions"] == 2 * d["layers"] + 1 and d["plan_gathers"] == 1
         assert d["collectives_per_call"] == d["plan_reductions"] + d["plan_gathers"]
-    # one process with both sockets holds every shard and a copy of the replicated weights per socket
+    # one process with both sockets holds every shard and a copy of the replicated weights per socket; each
+    # of two is given its own socket's (what its store then holds depends on the GEMM providers measured:
+    # a packed operand beside or in place of a shard; the bytes each process reads are asserted by
+    # test_each_process_reads_only_its_slices_of_a_checkpoint)
     single = got[0]["model_bytes"] + got[0]["replicated_bytes"]
-    assert got[0]["held_bytes"] + got[1]["held_bytes"] == single
+    assert got[0]["plan_bytes"] + got[1]["plan_bytes"] == single
     for d in got.values():
-        assert d["held_bytes"] <= 0.55 * single, (d["held_bytes"], single)
+        assert d["plan_bytes"] <= 0.55 * single, (d["plan_bytes"], single)
     assert got[0]["sampled"] == got[1]["sampled"]   # each drew with its own seed; process 0's draw is used
 
 
