@@ -83,12 +83,12 @@ class Hosts:
                                     use_local_synchronization=True)
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
-        counts: list[Any] = [None] * self.size
-        self._call(dist.all_gather_object, counts, int(sockets), group=self.group)
-        self.sockets: tuple[int, ...] = tuple(counts)
         self.performed = 0   # cross-host all-reduces completed
         self.seconds = 0.0   # spent in them (waiting for the slowest host included)
         self._store = _store()
+        counts: list[Any] = [None] * self.size
+        self._call(dist.all_gather_object, counts, int(sockets), group=self.group)
+        self.sockets: tuple[int, ...] = tuple(counts)
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
         if self._store is not None:
