@@ -25,6 +25,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 from numatp.backend.core import NumaTPBackend
 from numatp.backend.options import AUTO_MEASURE, OPTION_NAMES, RECOMPILE_LIMIT, Options, unknown_names
+from numatp.runtime.hosts import HOST_TIMEOUT
 from numatp.backend.registry import NOT_RUN, BackendOptionError, backend_of, compiled_by_numatp, numatp_backend
 from numatp.generate import generate
 from numatp.plan.schema import Plan
@@ -43,7 +44,7 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
             mode: str = "inductor", strict_placement: bool = False,
             gemm: bool | GemmOptions | None = None, auto_measure: float = AUTO_MEASURE,
             plan: Any = None, check: bool = False, weights: str | None = None, keep_head: bool = False,
-            process_group: Any = None, host_timeout: float = 300.0, **unknown: Any) -> torch.nn.Module:
+            process_group: Any = None, host_timeout: float = HOST_TIMEOUT, **unknown: Any) -> torch.nn.Module:
     """``torch.compile(model)`` with NUMA-aware tensor parallelism over ``sockets``.
 
     ``sockets``: None uses the detected sockets, or 2 virtual sockets on a one-node machine with 2 or more
@@ -105,14 +106,12 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
                       auto_measure=auto_measure, plan=plan, check=check, weights=weights, keep_head=keep_head,
                       process_group=process_group, host_timeout=host_timeout)
     imported = _dequantize_torchao(model)
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    backend = NumaTPBackend.from_options(options, names=names)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    backend = NumaTPBackend.from_options(options, names={id(p): n for n, p in params.items()})
     if imported:
-        params = dict(model.named_parameters(remove_duplicate=False))
         backend.import_quantized({id(params[n]): (n, v) for n, v in imported.items()})
     sources = getattr(model, SOURCES, None)
     if sources:   # numatp.zoo.build(..., shards_only=True): the values are read shard by shard from these
-        params = dict(model.named_parameters(remove_duplicate=False))
         backend.read_from({id(params[n]): src for n, src in sources.items() if n in params})
     # the backend stays reachable from the result through Dynamo's chain of wrappers (backend_of); an
     # attribute on the result would land on ``model`` itself, and on every later compile of it

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from numatp.plan.gemm_pass import GemmOptions
+from numatp.runtime.hosts import HOST_TIMEOUT
 from numatp.topology import Topology, resolve_sockets
 
 __all__ = ["AUTO_MEASURE", "OPTION_NAMES", "POLICIES", "RECOMPILE_LIMIT", "Options", "resolve_topology",
@@ -67,7 +68,7 @@ class Options:
     """More than one host: a ``torch.distributed`` process group of one process per host (each with its
     own sockets, :mod:`numatp.runtime.hosts`). None: the default group where ``torch.distributed`` is
     initialized with more than one process (logged), else this process alone."""
-    host_timeout: float = 300.0
+    host_timeout: float = HOST_TIMEOUT
     """Seconds a cross-host collective waits for the other processes before it fails, naming the process
     that stopped."""
     check: bool = False
@@ -110,7 +111,7 @@ class Options:
         t = self.host_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
             raise ValueError(f"host_timeout={t!r}: pass the seconds (> 0) a cross-host collective waits for the "
-                             "other processes")
+                             f"other processes (default {HOST_TIMEOUT:g})")
         a = self.auto_measure
         if isinstance(a, bool) or not isinstance(a, (int, float)) or a < 0:
             raise ValueError(f"auto_measure={a!r}: pass a fraction >= 0 (0 trusts the cost model alone; "

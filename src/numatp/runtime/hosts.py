@@ -64,7 +64,8 @@ class Hosts:
 
     ``sockets[h]`` is the socket count of process ``h`` (hosts may differ); process ``h`` holds the plan's
     ranks ``first(h)`` to ``first(h) + sockets[h] - 1``. Collectives run on a gloo group of the same
-    processes, made here with ``timeout`` seconds, whatever backend the caller's group has.
+    processes, made here with ``timeout`` seconds (checked by :class:`numatp.backend.options.Options`),
+    whatever backend the caller's group has.
     """
 
     def __init__(self, group: Any, sockets: int, *, timeout: float = HOST_TIMEOUT):
@@ -73,9 +74,6 @@ class Hosts:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("process_group=... needs torch.distributed initialized (torchrun, or "
                                "torch.distributed.init_process_group('gloo') in every process) before numatp.compile")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"host_timeout={timeout!r}: pass the seconds (> 0) a cross-host collective waits for "
-                             f"its peers (default {HOST_TIMEOUT:g})")
         self.timeout = float(timeout)
         self.world_ranks = list(dist.get_process_group_ranks(group))
         self.group = dist.new_group(ranks=self.world_ranks, backend="gloo",
