@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Launch", "join_launcher"]
+__all__ = ["Launch", "join_launcher", "machine"]
 
 
 @dataclass(frozen=True)
@@ -64,22 +65,28 @@ def join_launcher(command: str) -> Launch | None:
 def _share(local_rank: int, local_world: int, command: str) -> tuple[int, ...]:
     """Process ``local_rank`` of ``local_world`` on one machine: its sockets (contiguous, as even as they
     split), or its contiguous share of the CPUs where the machine has fewer sockets than processes."""
+    from numatp.plan.schema import even_split
     from numatp.topology import Topology
 
     machine = Topology.detect()
     sockets = machine.sockets
     if len(sockets) >= local_world:
-        lo, hi = _bounds(len(sockets), local_world, local_rank)
+        (lo, hi), = even_split(len(sockets), local_world)[local_rank].intervals
         return tuple(c for s in sockets[lo:hi] for c in s.cpus)
     cpus = sorted(c for s in sockets for c in s.cpus)
     if len(cpus) < local_world:
         raise SystemExit(f"numatp {command}: {local_world} processes on a machine with {len(cpus)} usable CPUs: "
                          "each process needs one; start fewer (torchrun --nproc-per-node)")
-    lo, hi = _bounds(len(cpus), local_world, local_rank)
+    (lo, hi), = even_split(len(cpus), local_world)[local_rank].intervals
     return tuple(cpus[lo:hi])
 
 
-def _bounds(n: int, parts: int, i: int) -> tuple[int, int]:
-    size, extra = divmod(n, parts)
-    lo = i * size + min(i, extra)
-    return lo, lo + size + (i < extra)
+def machine(launch: Launch | None) -> Any:
+    """The machine a command runs on: the detected topology, within this process's share of it under the
+    launcher (where it says so on standard output, which only process 0 prints)."""
+    from numatp.topology import Topology
+
+    if launch is None:
+        return Topology.detect()
+    print(f"processes: {launch.world} (torch.distributed, gloo), each with its own sockets; results of process 0")
+    return Topology.detect(allowed_cpus=launch.cpus)

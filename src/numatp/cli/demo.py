@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from numatp.cli._launch import join_launcher
+from numatp.cli._launch import join_launcher, machine
 from numatp.cli._weights import add_weight_args, check_weight_args, socket_bytes_line
 
 __all__ = ["add_parser", "run"]
@@ -99,12 +99,10 @@ def run(args: argparse.Namespace) -> int:
     import numatp
     from numatp import zoo
     from numatp.bench.machine import resolve_ranks
-    from numatp.topology import Topology, format_cpulist
+    from numatp.topology import format_cpulist
 
     warnings.filterwarnings("ignore", message="numatp: virtual sockets")
-    topo = resolve_ranks(args.sockets, Topology.detect(allowed_cpus=launch.cpus if launch and launch.cpus else None))
-    if launch is not None:
-        print(f"processes: {launch.world} (torch.distributed, gloo), each with its own sockets; results of process 0")
+    topo = resolve_ranks(args.sockets, machine(launch))
     kind = "virtual sockets on one memory node" if topo.is_virtual else "NUMA nodes"
     print(f"topology: {topo.num_sockets} {kind}: " +
           "; ".join(f"socket {s.index} = node {s.node}, CPUs {format_cpulist(s.cpus)}" for s in topo.sockets))

@@ -12,7 +12,7 @@ import argparse
 import sys
 import time
 
-from numatp.cli._launch import join_launcher
+from numatp.cli._launch import join_launcher, machine
 from numatp.cli._weights import add_weight_args, check_weight_args, socket_bytes_line
 
 __all__ = ["add_parser", "run"]
@@ -110,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
     from numatp import zoo
     from numatp.generate import generate_timed
     from numatp.bench.machine import resolve_ranks
-    from numatp.topology import Topology
 
     warnings.filterwarnings("ignore", message="numatp: virtual sockets")
     tokenizer = None
@@ -121,9 +120,7 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             raise SystemExit(f"numatp generate: the tokenizer in {args.model} does not load: {e}; "
                              "use --prompt-len N for a random prompt") from e
-    topo = resolve_ranks(args.sockets, Topology.detect(allowed_cpus=launch.cpus if launch and launch.cpus else None))
-    if launch is not None:
-        print(f"processes: {launch.world} (torch.distributed, gloo), each with its own sockets; results of process 0")
+    topo = resolve_ranks(args.sockets, machine(launch))
     dtype = getattr(torch, args.dtype)
     _say(f"building {args.model} ({'tiny, ' if args.tiny else ''}{args.dtype})")
     # across processes each reads only its own shards, unless the baseline needs the whole model
