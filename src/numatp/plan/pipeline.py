@@ -183,7 +183,7 @@ def lower_programs(ag: AtenGraph, plan: Plan, *, group: SocketGroup,
 
     def checked(step: str) -> None:
         if check:
-            contracts.check(step, done, shapes, sockets=sockets if processes == 1 else plan.sockets)
+            contracts.check(step, done, shapes, sockets=plan.sockets)   # every process's sockets
 
     checked("localize")
     done.args, done.swaps, done.reads, done.choices = choose_gemms(gemm, group, local, args)
@@ -210,6 +210,5 @@ def build(ag: AtenGraph, plan: Plan, *, group: SocketGroup, compiler: SegmentCom
     done = lower_programs(ag, plan, group=group, bind=bind, gemm=gemm, check=check, hosts=hosts)
     compile(done.programs, compiler, group)
     if check:
-        contracts.check("compile", done, contracts.global_shapes(ag),
-                        sockets=group.size if hosts is None else plan.sockets)
+        contracts.check("compile", done, contracts.global_shapes(ag), sockets=plan.sockets)
     return done
