@@ -26,6 +26,18 @@ import time
 import traceback
 
 
+def tiny_llama(layers: int = 2):
+    """The model every process builds (seeded: the same weights in each), and the one the test saves."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=layers, vocab_size=256,
+                                   max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
 def main() -> None:
     scenario, rank, world, port, out, mode = sys.argv[1:7]
     rank, world = int(rank), int(world)
@@ -48,11 +60,7 @@ def main() -> None:
     from numatp.backend import backend_of
 
     layers = 3 if scenario == "mismatch" and rank == 1 else 2
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2, num_hidden_layers=layers, vocab_size=256,
-                                   max_position_embeddings=128)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(layers)
     compiled = model
     if scenario == "shards":   # the test saved `model` here: read this process's slices of it
         from numatp import zoo

@@ -99,12 +99,8 @@ def test_two_processes_compiled_with_inductor_match_eager(tmp_path):
 
 
 def test_each_process_reads_only_its_slices_of_a_checkpoint(tmp_path):
-    import transformers
-    torch.manual_seed(0)   # the model hosts_child.py builds, saved for its processes to read
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=256,
-                                   max_position_embeddings=128)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    from tests.hosts_child import tiny_llama
+    tiny_llama().save_pretrained(tmp_path / "ckpt")   # the model the processes build, for them to read
     got = _hosts("shards", tmp_path, NUMATP_TEST_CHECKPOINT=str(tmp_path / "ckpt"))
     _equal(got)
     for d in got.values():
