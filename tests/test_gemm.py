@@ -342,6 +342,58 @@ def test_generation_chooses_each_weights_providers_for_the_prompt_and_the_decode
         assert report["packed_tensors"] == len(prompt) and all(r["pages"] for r in report["ranks"])
 
 
+@pytest.mark.slow
+def test_decode_after_a_forward_compiled_alone_reads_the_weight_made_again_for_gemv(tmp_path):
+    """A forward called before generate compiles its prompt without the decode steps in view and packs the
+    weights; the decode programs then find gemv on the plain weight measured faster than the packed
+    operand, and with room for second copies the store makes each plain shard again beside its packed
+    operand (equal to the first, kept for the later steps); tokens equal eager. Without room the steps
+    read the packed operands."""
+    from numatp.runtime.gemm import GemmTable
+
+    model = zoo.build("gpt2", tiny=True)
+    ids = torch.randint(5, 100, (1, 32), generator=torch.Generator().manual_seed(0))
+    opts = GemmOptions(providers=("onednn_packed", "gemv"), cache_dir=str(tmp_path))
+
+    def forward_then_generate(options):
+        torch._dynamo.reset()
+        fast = numatp.compile(model, sockets=Topology.virtual(sockets=2), gemm=options, mode="eager")
+        with torch.no_grad():
+            fast(ids)
+        got = fast.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        want = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(got, want)
+        _KEPT.append(fast)
+        return backend_of(fast)
+
+    forward_then_generate(opts)   # measures the prompt's shapes (32 rows) and a decode step's (1 row)
+    keys = [GemmShape.from_key(k) for k in GemmTable(tmp_path).entries]
+    assert {s.m for s in keys} == {1, 32}
+    GemmTable(tmp_path).put({s: {"aten": 1.0, "onednn_packed": 2.0, "gemv": 0.0} if s.m > 1 else
+                             {"aten": 1.0, "onednn_packed": 1.0, "gemv": 10.0} for s in keys})
+    b = forward_then_generate(opts)
+    rows = b.gemm_report()
+    assert {r["provider"] for r in rows if r["m"] > 1} == {"onednn_packed"}
+    assert {r["provider"] for r in rows if r["m"] == 1} == {"gemv"}
+    made = {id(t): b.weights.prepared(t) for t in b.weights._made.values()}
+    packed = [info for info in made.values() if info is not None]
+    assert packed and all(info.plain is not None and info.later == "gemv" for info in packed)
+    for key, t in b.weights._made.items():   # each shard made again equals the one the prompt packed
+        info = b.weights.prepared(t)
+        if info is not None:
+            param, placement = b.weights._origin[key]
+            assert torch.equal(info.plain, numatp.plan.reference.shard_tensor(param, placement, key[-1]))
+    steps = [v for g in b.graphs for v in g.variants.values() if v.executor.reads and any(v.executor.reads)]
+    assert steps and all(b.weights.prepared(p) is None for v in steps for reads in v.executor.reads
+                         for p in reads.values())
+    assert b.weights.report()["packed_tensors"] == len(packed)
+    # no room for a second copy: the steps read the packed operands
+    none = forward_then_generate(replace(opts, decode_copies=0.0))
+    assert {r["provider"] for r in none.gemm_report() if r["m"] == 1} == {"onednn_packed"}
+    assert all(info.plain is None for t in none.weights._made.values()
+               if (info := none.weights.prepared(t)) is not None)
+
+
 def test_options_refuse_unknown_providers_and_shares_past_the_memory():
     with pytest.raises(ValueError, match=r"unknown GEMM provider\(s\) \['blas9'\]; choose from"):
         GemmOptions(providers=("aten", "blas9"))

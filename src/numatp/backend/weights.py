@@ -50,6 +50,7 @@ class WeightStore:
         self.strict = strict
         self.place = place and not topology.is_virtual
         self._made: dict[tuple, torch.Tensor] = {}
+        self._origin: dict[tuple, tuple[torch.Tensor, Any]] = {}   # key -> (parameter, placement) of a plain shard
         self._keep: list[Any] = []   # the source tensors of the keys above stay alive while we use their id
         self._operands = PreparedOperands()
         self.sources: dict[int, Source] = {}
@@ -74,15 +75,37 @@ class WeightStore:
             self._made[key] = self._imported_shard(param, p, rank)
         if key not in self._made:
             self._keep.append(param)
-            with torch.no_grad():
-                source = self.sources.get(id(param))
-                local = shard_tensor(param.detach(), p, rank) if source is None else read_shard(source, p, rank)
-                if not self.place:   # virtual sockets: the compile's log line says weights are not placed
-                    local = local.contiguous()
-                else:
-                    local = numa_clone(local, self.topology.sockets[rank].node, strict=self.strict)
-            self._made[key] = local
+            self._made[key] = self._shard(param, p, rank)
+        if id(param) not in self.imported:
+            self._origin[key] = (param, p)
         return self._made[key]
+
+    def _shard(self, param: torch.Tensor, p: Any, rank: int) -> torch.Tensor:
+        """Socket ``rank``'s plain shard of ``param`` under placement ``p``, on the socket's node where placed."""
+        with torch.no_grad():
+            source = self.sources.get(id(param))
+            local = shard_tensor(param.detach(), p, rank) if source is None else read_shard(source, p, rank)
+            if not self.place:   # virtual sockets: the compile's log line says weights are not placed
+                return local.contiguous()
+            return numa_clone(local, self.topology.sockets[rank].node, strict=self.strict)
+
+    def plain_of(self, operand: Any, rank: int) -> Callable[[], torch.Tensor] | None:
+        """Where ``operand`` is a prepared operand that replaced socket ``rank``'s plain shard of a weight:
+        a function that makes that plain shard again (from the model's parameter or its source, on the
+        socket's node), for programs that read the weight as stored (a decode step after a prompt whose
+        program packed it). None for anything else (a quantized shard among them: it has no plain one)."""
+        info = self.prepared(operand)
+        if info is None or info.weights:
+            return None
+        for key, t in self._made.items():
+            if t is operand and key[-1] == rank and key in self._origin:
+                param, p = self._origin[key]
+                for twin, plain in self._made.items():   # a tied lookup's plain shard of the same rows
+                    if twin[-2] != key[-2] and twin[:-2] == key[:-2] and twin[-1] == rank and \
+                            self.prepared(plain) is None:
+                        return lambda: plain
+                return lambda: self._shard(param, p, rank)
+        return None
 
     def _imported_shard(self, param: torch.Tensor, p: Any, rank: int) -> torch.Tensor:
         """Socket ``rank``'s shard of an imported quantized parameter, as numatp's quantized buffer (on the
@@ -150,6 +173,7 @@ class WeightStore:
         """Forget every weight made after ``mark`` (a variant that was built, then not kept)."""
         for key in [k for k in self._made if k not in mark]:
             del self._made[key]
+            self._origin.pop(key, None)
         self._operands.keep_only(list(self._made.values()))
 
     def report(self) -> dict[str, Any]:

@@ -102,6 +102,9 @@ class Prior:
     info: PackInfo | None = None
     plain: bool = False
     planned: str | None = None
+    restorable: bool = False
+    """Whether the owner of ``info``'s operand can make the plain weight again (beside it, as a second
+    copy), for programs that read it faster as stored."""
 
 
 @dataclass
@@ -118,6 +121,8 @@ class GemmChoice:
     # beside a prompt's copy, which this (decode) program reads instead of the copy
     weights: dict[str, str] = field(default_factory=dict)   # placeholder -> its quantized format, if quantized
     nbytes: dict[str, int] = field(default_factory=dict)   # placeholder -> bytes of its quantized shard
+    restores: set[str] = field(default_factory=set)   # placeholders whose plain weight is made again, as a
+    # second copy beside the prepared operand, for this program and the later ones that read it as stored
 
 
 def measured_seconds(rates: Mapping[GemmShape, Any], provider: str, sites: Sequence[Any], *,
@@ -152,7 +157,9 @@ def choose(rank: int, sites: Mapping[str, Sequence[Site]], rates: Mapping[GemmSh
 
     Per weight: the provider its prepared operand was made for (or, where that operand is a prompt's
     copy, the one planned for the plain weight kept beside it, if measured faster at these rows: a decode
-    step); on a plain weight another program reads as it is, the decode provider planned for it or one
+    step; or, where its owner can make the plain weight again and a second copy fits in ``room``, a
+    provider that reads it as stored, if measured faster by the margin: :attr:`GemmChoice.restores`); on
+    a plain weight another program reads as it is, the decode provider planned for it or one
     that also reads it as it is; else measured (with the ``decode`` steps to come, unless the options
     force a provider or ask for the first token). ``room``: bytes this rank's second copies may still
     take; ``llc_bytes``: the last-level cache, whether a decode step streams its weight."""
@@ -170,6 +177,12 @@ def choose(rank: int, sites: Mapping[str, Sequence[Site]], rates: Mapping[GemmSh
             choice.reads[name] = info.plain
         elif info:
             prov = info.provider
+            if prior.restorable and room - planned >= s0.weight_bytes:
+                plain = c.restore(info.provider, group_sites)
+                if plain is not None:   # e.g. a decode step after a prompt compiled alone packed the weight
+                    prov = plain
+                    choice.restores.add(name)
+                    planned += s0.weight_bytes
         elif prior.plain:
             prov = prior.planned if prior.planned and c.fits(prior.planned, group_sites) else \
                 c.decide(group_sites, plain=True)
@@ -217,6 +230,16 @@ class _Chooser:
         allowed = self.allowed(sites, plain)
         picks = {best_provider(self.rates.get(s.shape) or {}, allowed, margin=self.options.margin) for s in sites}
         return picks.pop() if len(picks) == 1 else "aten"
+
+    def restore(self, packed: str, sites: Sequence[Site]) -> str | None:
+        """A provider that reads the weight as stored and runs ``sites`` faster than ``packed`` (the provider
+        of the weight's prepared operand) by the margin, measured; None where none does, or where the
+        options force a provider."""
+        if self.options.force:
+            return None
+        plain = self.decide(sites, plain=True)
+        return plain if plain != packed and self.seconds(plain, sites) * self.options.margin < \
+            self.seconds(packed, sites) else None
 
     def seconds(self, provider: str, sites: Sequence[Site]) -> float:
         """Measured time of ``provider`` over ``sites`` (inf where it has no usable rate)."""

@@ -14,7 +14,10 @@ Before the programs are cut into segments, :meth:`GemmSelector.apply`
    socket's memory binding, and records what it is (:class:`~numatp.runtime.gemm.PackInfo`) with the
    operands' owner (the weight store, :meth:`GemmSelector.bind`); the caller swaps it for the plain
    shard (no second copy is kept, except the plain weight beside a prompt's copy: its
-   ``PackInfo.plain``, which the decode programs read).
+   ``PackInfo.plain``, which the decode programs read). A program that reads a packed weight slower than
+   the weight as stored (a decode step after a prompt compiled without the decode steps in view, e.g. a
+   forward called before ``generate``) has the store make the plain shard again beside the packed one,
+   within the same room for second copies, and it becomes that operand's ``PackInfo.plain``.
 
 A later variant of the same graph (another sequence length) finds its operand recorded and reuses it:
 oneDNN and MKL packed weights serve any M.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -60,6 +64,8 @@ class OperandRecord(Protocol):
     def prepared(self, t: Any) -> PackInfo | None: ...
 
     def record(self, operand: Any, info: PackInfo) -> None: ...
+
+    def plain_of(self, operand: Any, rank: int) -> Callable[[], torch.Tensor] | None: ...
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,12 @@ class GemmSelector:
                 prov = choice.providers[ph.name]
                 idx = names.index(ph.name)
                 arg = args[rank][idx]
+                if ph.name in choice.restores:   # made again beside the prepared operand, kept with it from now on
+                    info = operands.prepared(arg)
+                    make = operands.plain_of(arg, rank)
+                    assert info is not None and make is not None, ph.name
+                    choice.reads[ph.name] = make()
+                    operands.record(arg, replace(info, plain=choice.reads[ph.name], later=prov))
                 if ph.name in choice.reads:   # the plain weight kept beside a prompt's copy
                     arg = new_args[rank][idx] = reads[rank][idx] = choice.reads[ph.name]
                 prepared = operands.prepared(arg) is not None or ph.name in choice.reads
@@ -226,7 +238,7 @@ class GemmSelector:
         if self.options.force or self.options.first_token:
             decode = None   # a prompt's weights are chosen alone
         self._measure(group, sites, decode, facts)
-        if decode is not None and self._copy_budget is None:
+        if self._copy_budget is None:
             # every socket the same share, so that none runs its prompt slower for want of room
             self._copy_budget = int((facts.memory_available or 0) * self.options.decode_copies) // len(gms)
         shapes = [s.shape for rank_sites in sites for ss in rank_sites.values() for s in ss]
@@ -241,7 +253,9 @@ class GemmSelector:
             for ph in rank_sites:
                 arg = args[rank][names.index(ph.name)]
                 plain, later = self._planned_for(arg)
-                priors[ph.name] = Prior(operands.prepared(arg), plain, later)
+                info = operands.prepared(arg)
+                restorable = info is not None and info.plain is None and operands.plain_of(arg, rank) is not None
+                priors[ph.name] = Prior(info, plain, later, restorable)
             room = (self._copy_budget or 0) - self._copied.get(rank, 0)
             choice, planned[rank] = choose(rank, {ph.name: ss for ph, ss in rank_sites.items()}, rates,
                                            options=self.options, priors=priors, room=room, decode=decode,

@@ -102,6 +102,10 @@ class PreparedOperands:
         entry = self._by_id.get(id(t))
         return entry[1] if entry is not None and entry[0] is t else None
 
+    def plain_of(self, operand: Any, rank: int) -> None:
+        """This record cannot make a plain weight again (a weight store can: ``WeightStore.plain_of``)."""
+        return None
+
     def keep_only(self, used: list[Any]) -> None:
         """Forget every operand not in ``used`` (by identity)."""
         ids = {id(t) for t in used}
