@@ -145,7 +145,12 @@ def _check_no_cuts(backend, sockets):
                 collectives = sum(isinstance(s, Collective) for s in prog.steps)
                 ends = sum(isinstance(s, Segment) and _ends_with_a_reduction(s) for s in prog.steps)
                 assert segments <= collectives + ends + 1
-                assert (ends > 0) == (sockets > 1)
+                # with several sockets only the first reduction is a cut; the others run inside segments
+                # (a layer's last ends one; in a decode step's program every fourth layer's)
+                cuts = sum(isinstance(s, Collective) and s.kind == "all_reduce" for s in prog.steps)
+                inside = sum(n.target is torch.ops.numatp.socket_all_reduce.default for s in prog.steps
+                             if isinstance(s, Segment) for n in s.gm.graph.nodes)
+                assert (cuts, inside > 0) == ((1, True) if sockets > 1 else (cuts, False))
 
 
 def _assert_is_the_matmul(got, x, w_nk, bias, what):

@@ -147,6 +147,32 @@ def test_each_socket_holds_only_its_kv_heads_and_the_callers_cache_is_not_writte
     assert all(t._use_count() >= 2 for rank in range(2) for t in states.tensors(rank))
 
 
+def test_a_decode_steps_program_runs_four_layers_a_segment_and_the_prompts_one():
+    """A program of at most STEP_ROWS rows (a decode step) ends a segment after every fourth layer, a
+    prompt's after every layer; tokens equal eager either way (9 layers: the last segment is shorter)."""
+    from numatp.plan.lower import REDUCTIONS_PER_SEGMENT, STEP_REDUCTIONS_PER_SEGMENT, STEP_ROWS
+    from tests.hosts_child import tiny_llama
+
+    fresh_dynamo()
+    model = tiny_llama(layers=9)
+    ids, mask = _prompt(model)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    got = fast.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+    inside = {}   # rows of the program -> the most reductions one of its segments runs
+    for g in backend_of(fast).graphs:
+        for v in g.variants.values():
+            for prog in v.executor.programs:
+                sums = [[n for n in s.gm.graph.nodes if n.target is torch.ops.numatp.socket_all_reduce.default]
+                        for s in prog.steps if isinstance(s, Segment)]
+                x = next(ns[0].args[0].meta["val"] for ns in sums if ns)   # a reduction's input: rows x hidden
+                rows = x.numel() // x.shape[-1]
+                inside[rows] = max(inside.get(rows, 0), *map(len, sums))
+    assert 2 * PROMPT_BUCKET > STEP_ROWS >= 2
+    assert inside == {2: STEP_REDUCTIONS_PER_SEGMENT, 2 * PROMPT_BUCKET: REDUCTIONS_PER_SEGMENT}, inside
+
+
 def test_sampling_follows_the_same_random_draws_as_eager():
     fresh_dynamo()
     model = _tiny("llama")

@@ -7,7 +7,8 @@ Three graph rewrites that follow the GEMM choice and the single-query attention 
    in place, which a compiled segment calls from its C++ without the GIL;
 2. :func:`place_reductions`: the first all-reduce stays a cut of the program; every later one becomes
    ``numatp::socket_all_reduce``, chained to the one before, and every
-   :data:`REDUCTIONS_PER_SEGMENT`-th one is marked as a segment's end (``meta["numatp_segment_end"]``);
+   :data:`REDUCTIONS_PER_SEGMENT`-th one (:data:`STEP_REDUCTIONS_PER_SEGMENT`-th in a decode step's program)
+   is marked as a segment's end (``meta["numatp_segment_end"]``);
    with one socket the reductions that would run inside and the all-gathers go;
 3. :func:`mark_gathered_matmuls`: an all-gather that can compute its input in place takes over the
    matmul that makes it (``meta["numatp_gathered"]``: a
@@ -37,7 +38,8 @@ from numatp.runtime.gemm import GEMM_OP, IN_PLACE, NATIVE, native_code
 from numatp.runtime.native import load_ops
 from numatp.runtime.segments import GatheredMatmul
 
-__all__ = ["REDUCTIONS_PER_SEGMENT", "SEGMENT_END", "GATHERED", "ABSORBED", "propagate_shapes", "lower_gemms",
+__all__ = ["REDUCTIONS_PER_SEGMENT", "STEP_REDUCTIONS_PER_SEGMENT", "STEP_ROWS", "SEGMENT_END", "GATHERED",
+           "ABSORBED", "propagate_shapes", "lower_gemms",
            "place_reductions", "gather_in_place", "mark_gathered_matmuls"]
 
 SEGMENT_END = "numatp_segment_end"
@@ -51,6 +53,13 @@ REDUCTIONS_PER_SEGMENT = 2
 """After the first, every this-many-th all-reduce ends a segment. Transformer layers have 2 reductions
 each, so every layer is one segment of the same code, compiled once (measured, gpt2-medium on one
 socket: the whole program as one segment took 73 s to compile, a segment per layer 31 s)."""
+STEP_REDUCTIONS_PER_SEGMENT = 8
+"""The same in a program of at most :data:`STEP_ROWS` rows (a decode step): 4 layers a segment. A call of a
+compiled segment costs a fixed ~100-200 us (its C++ entry, its inputs' handles), a large share of a
+decode step's layer; fewer, longer segments take it fewer times (measured, gpt2-medium, 2 virtual
+sockets, 64-token generations: bf16 decode +9%, int4 +13%), for a longer compile of that program."""
+STEP_ROWS = 16
+"""The most rows (batch x positions) of a program that :data:`STEP_REDUCTIONS_PER_SEGMENT` applies to."""
 
 
 def propagate_shapes(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> None:
@@ -88,7 +97,8 @@ def place_reductions(gm: torch.fx.GraphModule, sockets: int, hosts: int = 1) -> 
     before it (a vocabulary-parallel lookup's row range is a constant of its segment) and are the same
     code after it wherever the sockets' shapes are. Every later one becomes ``numatp::socket_all_reduce``
     in place, each chained to the one before, and every :data:`REDUCTIONS_PER_SEGMENT`-th ends a segment
-    right after it: a layer's reductions both run inside its segment, without a return to Python
+    right after it (every :data:`STEP_REDUCTIONS_PER_SEGMENT`-th in a decode step's program of at most
+    :data:`STEP_ROWS` rows): a layer's reductions both run inside its segment, without a return to Python
     (measured, gpt2-medium bf16 decode on 2 virtual sockets: a reduction called from Python between two
     segments cost 20 us, one inside 4-9 us). The chain (each reduction reads the one-element token the
     one before returned) keeps the reductions in program order on every socket, whatever the compiler
@@ -106,7 +116,10 @@ def place_reductions(gm: torch.fx.GraphModule, sockets: int, hosts: int = 1) -> 
         return
     reductions = [n for n in gm.graph.nodes if n.target is COLLECTIVES[0]]
     summed = [i > 0 and (sockets == 1 or SocketComm.supports(n.meta["val"])) for i, n in enumerate(reductions)]
-    ends = {n for i, n in enumerate(reductions) if i and i % REDUCTIONS_PER_SEGMENT == 0}
+    rows = max((n.meta["val"].numel() // max(n.meta["val"].shape[-1], 1) for n in reductions
+                if n.meta["val"].dim()), default=0)
+    every = STEP_REDUCTIONS_PER_SEGMENT if rows <= STEP_ROWS else REDUCTIONS_PER_SEGMENT
+    ends = {n for i, n in enumerate(reductions) if i and i % every == 0}
     if sockets == 1:
         inline = [n for n, ok in zip(reductions, summed) if ok and n not in ends]
         gathers = [n for n in gm.graph.nodes if n.target in COLLECTIVES[1:]]

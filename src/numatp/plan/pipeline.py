@@ -127,7 +127,8 @@ def lower(gm: torch.fx.GraphModule, args: list[Any], sockets: int,
     """Step 6. Before: a local program after the GEMM choice. After: ``meta["val"]`` on every node (local
     shapes); a ``numatp::gemm`` with a C++ kernel is ``numatp::linear``; every all-reduce after the first
     is ``numatp::socket_all_reduce`` chained to the one before (a dtype the C++ collective does not sum
-    stays an all-reduce), a layer's last marked as a segment's end; with one socket the reductions that
+    stays an all-reduce), a layer's last marked as a segment's end (every fourth layer's in a decode
+    step's program); with one socket the reductions that
     would run inside and the all-gathers are gone (:mod:`numatp.plan.lower`); with more than one
     process (``hosts``) every collective stays a step, for the cross-host sum. ``stand_in`` gives a
     prepared operand's plain stand-in for shape propagation (the GEMM selector's)."""
