@@ -375,10 +375,14 @@ def test_engine_batches_joins_and_resets_without_changing_greedy_tokens(sockets)
         solo = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
                               pad_token_id=0)[0, len(prompt):].tolist()
         assert tokens == solo, f"request {k} on {sockets} sockets"
-    # the chunk and the step, at every slot's width and at slot 0's alone: four programs for every request
+    # the chunk, the long chunk and the step, at every slot's width and at slot 0's alone: six programs for
+    # every request (a 50-token prompt of chunk 16 runs as 4 chunks, one long call)
     backend = backend_of(fast)
-    assert sum(len(g.variants) for g in backend.graphs) == 4
+    assert engine.long_chunk == 64 and engine._pieces(4) == [(0, 64)] and engine._pieces(6) == [(0, 64), (64, 16),
+                                                                                                 (80, 16)]
+    assert sum(len(g.variants) for g in backend.graphs) == 6
     assert engine.widths[1] > 0 and engine.widths[4] > 0   # the first request ran alone, then others joined
+    assert engine.lengths[64] > 0 and engine.lengths[16] > 0   # long calls and chunks (re-prefills of 64+)
 
 
 @pytest.mark.slow

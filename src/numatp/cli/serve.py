@@ -127,8 +127,10 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(fast, max_batch=args.max_batch, max_len=args.max_len, chunk=args.chunk,
                     cache_len=args.cache_len, max_queue=args.max_queue, pad_token_id=pad)
     widths = " and both at width 1 (slot 0 alone)" if args.max_batch > 1 else ""
-    _say(f"compiling the prefill chunk ({args.max_batch}, {args.chunk}) and the decode step ({args.max_batch}, 1)"
-         f"{widths} on {topo.num_sockets} sockets")
+    chunks = f"chunk ({args.max_batch}, {args.chunk})" if engine.long_chunk is None else \
+        f"chunks ({args.max_batch}, {args.chunk}) and ({args.max_batch}, {engine.long_chunk})"
+    _say(f"compiling the prefill {chunks} and the decode step ({args.max_batch}, 1){widths} on "
+         f"{topo.num_sockets} sockets")
     engine.start()
     name = args.served_name or args.model
     app = create_app(engine, model_name=name, tokenizer=tokenizer)
