@@ -197,11 +197,11 @@ def test_native_linear_takes_each_providers_operand():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_equals_a_float64_matmul_for_up_to_16_rows(dtype):
     """numatp's GEMV on both weight layouts, with and without bias, for row counts around its blocks of
-    4 (and so its 4-16 weight rows at once) and sizes around its vector widths (16 fp32 lanes, 32 bf16
+    4 and passes of 8 (and so its 1-16 weight rows at once) and sizes around its vector widths (16 fp32 lanes, 32 bf16
     pairs, 64- and 512-column blocks)."""
     p = PROVIDERS["gemv"]
     g = torch.Generator().manual_seed(1)
-    for m in (1, 2, 3, 4, 5, 8, 16):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16):
         for k, n in ((1, 1), (7, 3), (33, 70), (64, 600), (1000, 5), (130, 1100)):
             for layout in ("nk", "kn"):
                 x = torch.randn(m, k, generator=g).to(dtype)
