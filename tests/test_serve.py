@@ -383,6 +383,8 @@ def test_engine_batches_joins_and_resets_without_changing_greedy_tokens(sockets)
     assert sum(len(g.variants) for g in backend.graphs) == 6
     assert engine.widths[1] > 0 and engine.widths[4] > 0   # the first request ran alone, then others joined
     assert engine.lengths[64] > 0 and engine.lengths[16] > 0   # long calls and chunks (re-prefills of 64+)
+    # joins of few requests prefill each alone, over its own row, other slots included
+    assert engine.alone[0] > 0 and sum(engine.alone[i] for i in range(1, 4)) > 0, engine.alone
 
 
 @pytest.mark.slow
