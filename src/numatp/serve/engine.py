@@ -506,8 +506,8 @@ class Engine:
 
     def _prefill(self, joiners: list[tuple[int, Request]], rejoin: list[tuple[int, _Slot]]) -> None:
         """Run the joiners' prompts (and the re-joining slots' prompt + tokens so far) as chunks of (B, C),
-        right-aligned (runs of LONG_CHUNK chunks as one call); each gets its next token from the last
-        chunk's logits."""
+        or each alone as chunks of (1, C) over its own row where few join (SOLO_JOIN_SHARE), right-aligned
+        (runs of LONG_CHUNK chunks as one call); each gets its next token from its last chunk's logits."""
         C = self.chunk
         rows: dict[int, tuple[Request, list[int]]] = {}
         for i, r in joiners:
