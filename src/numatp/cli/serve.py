@@ -2,10 +2,10 @@
 
 Builds MODEL (a preset with random weights, served as token ids, or a checkpoint folder, with its
 tokenizer where it has one), compiles it with numatp, compiles the engine's programs (a prefill chunk, a
-long chunk and a decode step of ``--max-batch`` slots, and the same for one slot's row), then serves ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` with uvicorn until SIGTERM or Ctrl-C
-(requests in flight are finished, for up to ``--shutdown-timeout`` seconds, then cancelled). See
-docs/serve.md.
+long chunk and a decode step of ``--max-batch`` slots, and the same for one slot's row), then serves
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and ``/metrics`` with uvicorn
+until SIGTERM or Ctrl-C (requests in flight are finished, for up to ``--shutdown-timeout`` seconds, then
+cancelled). See docs/serve.md.
 """
 
 from __future__ import annotations
