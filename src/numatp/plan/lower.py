@@ -57,7 +57,8 @@ STEP_REDUCTIONS_PER_SEGMENT = 8
 """The same in a program of at most :data:`STEP_ROWS` rows (a decode step): 4 layers a segment. A call of a
 compiled segment costs a fixed ~100-200 us (its C++ entry, its inputs' handles), a large share of a
 decode step's layer; fewer, longer segments take it fewer times (measured, gpt2-medium, 2 virtual
-sockets, 64-token generations: bf16 decode +9%, int4 +13%), for a longer compile of that program."""
+sockets, 64-token generations, two runs: bf16 decode +9% and +13%, int4 +13%), for a longer compile of
+that program."""
 STEP_ROWS = 16
 """The most rows (batch x positions) of a program that :data:`STEP_REDUCTIONS_PER_SEGMENT` applies to."""
 
