@@ -197,8 +197,8 @@ def test_native_linear_takes_each_providers_operand():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_equals_a_float64_matmul_for_up_to_16_rows(dtype):
     """numatp's GEMV on both weight layouts, with and without bias, for row counts around its blocks of
-    4 and passes of 8 (and so its 1-16 weight rows at once) and sizes around its vector widths (16 fp32 lanes, 32 bf16
-    pairs, 64- and 512-column blocks)."""
+    4 and passes of 8 (and so its 1-16 weight rows at once) and sizes around its vector widths (16 fp32
+    lanes, 32 bf16 pairs, 64- and 512-column blocks)."""
     p = PROVIDERS["gemv"]
     g = torch.Generator().manual_seed(1)
     for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16):

@@ -127,9 +127,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(fast, max_batch=args.max_batch, max_len=args.max_len, chunk=args.chunk,
                     cache_len=args.cache_len, max_queue=args.max_queue, pad_token_id=pad)
     widths = ", and the same at width 1 (one slot's row: a lone stream, a join of few)," if args.max_batch > 1 else ""
-    chunks = f"chunk ({args.max_batch}, {args.chunk})" if engine.long_chunk is None else \
-        f"chunks ({args.max_batch}, {args.chunk}) and ({args.max_batch}, {engine.long_chunk})"
-    _say(f"compiling the prefill {chunks} and the decode step ({args.max_batch}, 1){widths} on "
+    _say(f"compiling the prefill {engine.chunks_said()} and the decode step ({args.max_batch}, 1){widths} on "
          f"{topo.num_sockets} sockets")
     engine.start()
     name = args.served_name or args.model

@@ -13,9 +13,11 @@
 //
 // Any number of rows of x, in passes of up to 8 (past 8 the weight is read again per pass; ops.cpp calls
 // it for up to 16): a decode step of a batch of 8 sequences streams each weight once (measured, bf16, one
-// thread, weights streamed, 8 rows: 30-54 GFLOP/s in passes of 4, 45-75 in one pass of 8). Sums are in fp32 (bf16 products are exact in fp32), the bias is added in fp32 and the
-// result rounded once to x's dtype (to nearest, ties to even, as torch rounds). The vector width is this CPU's (the library is built with -march=native): AVX512-BF16 dot
-// products where present, else AVX-512 or AVX2 with FMA on bf16 widened to fp32, else scalar loops.
+// thread, weights streamed, 8 rows: 30-54 GFLOP/s in passes of 4, 45-75 in one pass of 8). Sums are in
+// fp32 (bf16 products are exact in fp32), the bias is added in fp32 and the result rounded once to x's
+// dtype (to nearest, ties to even, as torch rounds). The vector width is this CPU's (the library is built
+// with -march=native): AVX512-BF16 dot products where present, else AVX-512 or AVX2 with FMA on bf16
+// widened to fp32, else scalar loops.
 
 // No torch headers: plain pointers in and out (ops.cpp checks the tensors and calls numatp_gemv_rows_*),
 // so this file compiles in about a second, not the fifteen ATen's headers take.

@@ -348,13 +348,14 @@ class Engine:
         self._skip_guards = self.skip_guards and usable and counters["frames"]["ok"] == frames
         self._reset()
         self.resets = 0
-        log.info("numatp serve: compiled the prefill chunk%s and the decode step (%d, 1)%s in %.1fs; these "
-                 "programs serve every request", self._chunks_said(), B,
+        log.info("numatp serve: compiled the prefill %s and the decode step (%d, 1)%s in %.1fs; these "
+                 "programs serve every request", self.chunks_said(), B,
                  " at widths 1 and %d" % B if len(widths) > 1 else "", time.perf_counter() - t0)
 
-    def _chunks_said(self) -> str:
+    def chunks_said(self) -> str:
+        """The prefill programs, as the start-up lines name them: "chunk (B, C)" or "chunks (B, C) and (B, L)"."""
         B, C, L = self.max_batch, self.chunk, self.long_chunk
-        return f" ({B}, {C})" if L is None else f"s ({B}, {C}) and ({B}, {L})"
+        return f"chunk ({B}, {C})" if L is None else f"chunks ({B}, {C}) and ({B}, {L})"
 
     def _pieces(self, chunks: int) -> list[tuple[int, int]]:
         """A prefill of ``chunks`` chunks as calls: (first column, length), long chunks first."""
@@ -496,9 +497,11 @@ class Engine:
             self._waiting.popleft()
         self._prefill(list(zip(free, joiners)), [(i, self._slots[i]) for i in rejoin])  # type: ignore[misc]
 
-    def _rows(self, width: int) -> tuple[torch.Tensor, list[int]]:
-        idle = [i for i, s in enumerate(self._slots[:width]) if s is None]
-        return self._own[:width].clone(), idle
+    def _rows(self, width: int, lo: int = 0) -> tuple[torch.Tensor, list[int]]:
+        """The attention mask of a call over the slots ``lo .. lo + width`` (a copy of their rows of the
+        positions they own) and the call's rows whose slot is idle."""
+        idle = [k for k, s in enumerate(self._slots[lo:lo + width]) if s is None]
+        return self._own[lo:lo + width].clone(), idle
 
     def _width(self, rows: list[int]) -> int:
         """The batch width of a call for the slots ``rows``: 1 where only slot 0 is in use, else all slots."""
@@ -549,8 +552,7 @@ class Engine:
         for first, n in self._pieces(chunks):
             t, cols = self._t, slice(first, first + n)
             self._own[lo:lo + batch, t:t + n] = real[:, cols].long()
-            mask = self._own[lo:lo + batch].clone()
-            idle = [k for k in range(batch) if self._slots[lo + k] is None]
+            mask, idle = self._rows(batch, lo)
             mask[idle, t:t + n] = 1   # an idle row sees its own pad tokens (no query without a key)
             # copies in the canonical layout, not .contiguous(): a (1, C) slice of a wider row counts as
             # contiguous with the row's stride, and Dynamo's guards read strides (a new program for it)
