@@ -110,11 +110,13 @@ def test_gpt2_through_inductor_equals_eager_and_compiles_once_per_shape():
     decode = backend.plans[1]
     assert all(b.sharded for b in decode.blocks if b.kind in ("attention", "mlp"))
     assert decode.reductions == 2 * LAYERS + 1
-    # the prompt's attention is CPU flash attention; the decode step's single query is fused reductions
+    # the prompt's attention is CPU flash attention; the decode step's single query is numatp's kernel
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    decode_attention = torch.ops.numatp.decode_attention.default
     programs = [[n.target for s in p.steps if isinstance(s, Segment) for n in s.gm.graph.nodes]
                 for g in backend.graphs for v in g.variants.values() for p in v.executor.programs]
     assert [t.count(flash) for t in programs] == [LAYERS, LAYERS, 0, 0]
+    assert [t.count(decode_attention) for t in programs] == [0, 0, LAYERS, LAYERS]
 
 
 def test_each_socket_holds_only_its_kv_heads_and_the_callers_cache_is_not_written():

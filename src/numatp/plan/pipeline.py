@@ -118,7 +118,8 @@ def choose_gemms(selector: GemmSelector | BoundSelector | None, group: SocketGro
 
 def fuse_attention(gm: torch.fx.GraphModule) -> None:
     """Step 5. Before: a local program. After: each CPU flash attention whose query has one position (a
-    decode step) is two fused reductions over the cached keys and values; nothing else changes."""
+    decode step) is ``numatp::decode_attention`` (fp32, bf16) or two fused reductions over the cached keys
+    and values (other dtypes); nothing else changes."""
     fuse_single_query_attention(gm)
 
 

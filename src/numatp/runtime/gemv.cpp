@@ -28,126 +28,16 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "vec.h"
 
 namespace gemv_kernels {
 
-// bfloat16 as stored: the high half of an fp32
-struct bf16 {
-  std::uint16_t bits;
-  bf16() = default;
-  explicit bf16(float f) {   // to nearest, ties to even; NaN stays a (quiet) NaN
-    std::uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    bits = f != f ? std::uint16_t(0x7FC0) : std::uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
-};
-static_assert(sizeof(bf16) == 2);
-
-inline float to_float(float v) { return v; }
-inline float to_float(bf16 v) {
-  const std::uint32_t u = std::uint32_t(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using namespace numatp_vec;
 
 // one output: the fp32 sum plus the bias, rounded once to T
 template <typename T>
 inline void put(T* y, int64_t at, float sum, const T* bias, int64_t col) {
   y[at] = static_cast<T>(bias ? sum + to_float(bias[col]) : sum);
-}
-
-// ---- vectors of fp32, loaded from fp32 or bf16 ----
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vset(float v) { return _mm512_set1_ps(v); }
-inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vload(const bf16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline vf vload(const float* p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
-inline vf vload(const bf16* p, int n) {
-  __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vset(float v) { return _mm256_set1_ps(v); }
-inline float vsum(vf a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vf vload(const bf16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-template <typename T>
-inline vf vload(const T* p, int n) {  // a tail: through a zeroed buffer
-  alignas(32) T tmp[kLanes] = {};
-  std::memcpy(tmp, p, n * sizeof(T));
-  return vload(static_cast<const T*>(tmp));
-}
-inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
-#else
-constexpr int kLanes = 1;
-using vf = float;
-inline vf vzero() { return 0.f; }
-inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
-inline vf vset(float v) { return v; }
-inline float vsum(vf a) { return a; }
-template <typename T>
-inline vf vload(const T* p) { return to_float(*p); }
-template <typename T>
-inline vf vload(const T* p, int) { return to_float(*p); }
-inline void vstore(float* p, vf a) { *p = a; }
-#endif
-
-// f(begin, end) on each thread of the caller's OpenMP team, over contiguous parts of [0, count).
-// OpenMP itself, not ATen's parallel_for: the first at::parallel_for a library makes on a thread resets that
-// thread's thread count to the process-wide value torch last set on any thread (at::init_num_threads),
-// which undid a socket worker's own count (measured: a 2-thread socket ran its whole decode step, MKL
-// included, on 1 thread after the caller had set 1 for its token loop, 0.6x).
-template <typename F>
-void parallel(int64_t count, int64_t grain, F&& f) {
-#ifdef _OPENMP
-  const int64_t threads = std::min<int64_t>(omp_get_max_threads(), (count + grain - 1) / grain);
-  if (threads > 1 && !omp_in_parallel()) {
-#pragma omp parallel num_threads(threads)
-    {
-      const int64_t t = omp_get_thread_num(), all = omp_get_num_threads();
-      const int64_t begin = count * t / all, end = count * (t + 1) / all;
-      if (begin < end) f(begin, end);
-    }
-    return;
-  }
-#endif
-  f(0, count);
-}
-
-inline int64_t team_size() {
-#ifdef _OPENMP
-  return omp_in_parallel() ? 1 : omp_get_max_threads();
-#else
-  return 1;
-#endif
 }
 
 // Software prefetch of the weight ahead of the loads: measured on an AVX-512 Xeon (2 threads, 48
@@ -360,7 +250,7 @@ void numatp_gemv_rows_f32(const float* x, const float* w, const float* bias, flo
 
 void numatp_gemv_rows_bf16(const std::uint16_t* x, const std::uint16_t* w, const std::uint16_t* bias,
                            std::uint16_t* y, std::int64_t m, std::int64_t k, std::int64_t n, int kn) {
-  using gemv_kernels::bf16;
+  using numatp_vec::bf16;
   gemv_kernels::rows(reinterpret_cast<const bf16*>(x), reinterpret_cast<const bf16*>(w),
                      reinterpret_cast<const bf16*>(bias), reinterpret_cast<bf16*>(y), m, k, n, kn != 0);
 }

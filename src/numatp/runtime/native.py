@@ -1,12 +1,14 @@
 """numatp's C++ library, compiled on first use with the compiler torch.compile's C++ backend uses.
 
-Four sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
+Five sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
 all-reduce, plain C functions that :mod:`numatp.runtime.collective` calls through ``ctypes``),
 ``ops.cpp`` (dispatcher ops that compiled segments call from their C++ wrapper without the GIL:
-``numatp::linear``, the GEMM providers, and ``numatp::socket_all_reduce``, the collective itself; and
-``numatp::linear_into`` and ``numatp::mkl_pack``, which the executor and the GEMM providers call) and
-``gemv.cpp`` (numatp's own kernel for a decode step's few rows, one of those providers) and ``quant.cpp``
-(its kernels over quantized weights: a GEMV and the dequantizing of tiles, for more providers). It is built
+``numatp::linear``, the GEMM providers, ``numatp::socket_all_reduce``, the collective itself, and
+``numatp::decode_attention``; and ``numatp::linear_into`` and ``numatp::mkl_pack``, which the executor and
+the GEMM providers call), ``gemv.cpp`` (numatp's own kernel for a decode step's few rows, one of those
+providers), ``quant.cpp`` (its kernels over quantized weights: a GEMV and the dequantizing of tiles, for
+more providers) and ``attention.cpp`` (a decode step's single-query attention); ``vec.h`` is the vectors
+gemv.cpp and attention.cpp share. It is built
 with torch's headers, ABI and libraries (as torch's own C++ extensions are) into
 ``~/.cache/numatp/ext/``, keyed by the sources, the compiler, the flags, this CPU and the torch build, so
 a new CPU or torch builds again (about 15 s: the sources compile at once, ops.cpp's torch headers take
@@ -33,7 +35,8 @@ from numatp.topology.resources import cpu_signature
 __all__ = ["compiler", "build", "library_path", "load_ops"]
 
 _HERE = Path(__file__).parent
-SOURCES = ("collective.cpp", "ops.cpp", "gemv.cpp", "quant.cpp")
+SOURCES = ("collective.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "attention.cpp")
+HEADERS = ("vec.h",)
 _lock = threading.Lock()
 _path: Path | None = None
 _ops_loaded = False
@@ -61,7 +64,7 @@ def build(sources: tuple[str, ...] = SOURCES) -> Path:
     cxx = compiler()
     flags, libs = _flags()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in srcs)
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in [*srcs, *(_HERE / h for h in HEADERS)])
                          + repr((cxx, version, flags, libs, cpu_signature())).encode())
     folder = cache_dir() / "ext"
     target = folder / f"numatp-{key.hexdigest()[:16]}.so"
@@ -111,8 +114,8 @@ def library_path() -> Path:
 
 
 def load_ops() -> None:
-    """Register ``numatp::linear``, ``numatp::linear_into``, ``numatp::mkl_pack`` and
-    ``numatp::socket_all_reduce`` with torch, and their shape functions."""
+    """Register ``numatp::linear``, ``numatp::linear_into``, ``numatp::mkl_pack``,
+    ``numatp::socket_all_reduce`` and ``numatp::decode_attention`` with torch, and their shape functions."""
     global _ops_loaded
     path = library_path()
     with _lock:
@@ -135,5 +138,9 @@ def load_ops() -> None:
         @torch.library.register_fake("numatp::socket_all_reduce")
         def _(x, after):
             return torch.empty_like(x, memory_format=torch.contiguous_format), x.new_empty(1)
+
+        @torch.library.register_fake("numatp::decode_attention")
+        def _(q, k, v, mask, scale):
+            return q.new_empty(q.shape)
 
         _ops_loaded = True

@@ -47,6 +47,9 @@ void numatp_qgemv(const std::uint8_t* q, const float* s, const float* z, int bit
                   std::int64_t group, const void* x, int x_bf16, const void* bias, void* y, std::int64_t m);
 void numatp_qdequant(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n,
                      std::int64_t k, std::int64_t group, std::int64_t n0, std::int64_t n1, void* out, int to_bf16);
+// attention.cpp: a decode step's single-query attention over the cache
+void numatp_decode_attention(const void* q, const void* k, const void* v, const void* mask, void* out, int is_bf16,
+                             const std::int64_t* sizes, const std::int64_t* strides, float scale);
 }
 
 namespace {
@@ -219,6 +222,49 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
     }
   }
   return y;
+}
+
+// ---- a decode step's attention: one query per sequence against the cache (attention.cpp) ----
+
+// q (B, H, 1, D), k and v (B, Hk, S, D) with Hk dividing H, mask (B or 1, H or 1, 1, S) added to the scores
+// or none; fp32 or bf16, all alike. Returns (B, H, 1, D), contiguous.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1,
+              "numatp decode_attention: q (B, H, 1, D), k and v (B, Hk, S, D); got ", q.sizes(), ", ", k.sizes(),
+              ", ", v.sizes());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), Hk = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D && Hk > 0 && H % Hk == 0,
+              "numatp decode_attention: k and v must be (", B, ", Hk, S, ", D, ") with Hk dividing ", H,
+              "; got ", k.sizes(), " and ", v.sizes());
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype,
+              "numatp decode_attention: float32 or bfloat16, q, k and v alike; got ", dtype, ", ", k.scalar_type(),
+              ", ", v.scalar_type());
+  auto last = [](const at::Tensor& t) { return t.stride(-1) == 1 || t.size(-1) == 1 ? t : t.contiguous(); };
+  const at::Tensor qc = last(q), kc = last(k), vc = last(v);
+  at::Tensor mc;
+  int64_t m_b = 0, m_h = 0;
+  if (mask.has_value()) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.dim() == 4 && (m.size(0) == 1 || m.size(0) == B) && (m.size(1) == 1 || m.size(1) == H) &&
+                    m.size(2) == 1 && m.size(3) == S && m.scalar_type() == dtype,
+                "numatp decode_attention: the mask must be (", B, " or 1, ", H, " or 1, 1, ", S, ") of ", dtype,
+                "; got ", m.sizes(), " of ", m.scalar_type());
+    mc = last(m);
+    m_b = m.size(0) == 1 ? 0 : mc.stride(0);
+    m_h = m.size(1) == 1 ? 0 : mc.stride(1);
+  }
+  at::Tensor out = at::empty({B, H, 1, D}, q.options());
+  if (out.numel() == 0) return out;
+  const std::int64_t sizes[5] = {B, H, Hk, S, D};
+  const std::int64_t strides[10] = {qc.stride(0), qc.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+                                    vc.stride(0), vc.stride(1), vc.stride(2), m_b, m_h};
+  numatp_decode_attention(qc.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(),
+                          mask.has_value() ? mc.const_data_ptr() : nullptr, out.mutable_data_ptr(),
+                          dtype == at::kBFloat16, sizes, strides, static_cast<float>(scale));
+  return out;
 }
 
 // ---- quantized weights: numatp.runtime.gemm.quant's buffer ----
@@ -515,6 +561,7 @@ TORCH_LIBRARY_FRAGMENT(numatp, m) {
   m.def("linear_into(Tensor x, Tensor w, Tensor? bias, int provider, int n, int k, Tensor(a!) out) -> ()");
   m.def("mkl_pack(Tensor w, int m, int node=-1) -> Tensor");
   m.def("socket_all_reduce(Tensor x, Tensor? after) -> (Tensor, Tensor)");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
 
 // every backend: a packed oneDNN weight is an MkldnnCPU tensor beside a CPU activation
@@ -523,4 +570,5 @@ TORCH_LIBRARY_IMPL(numatp, CompositeExplicitAutograd, m) {
   m.impl("linear_into", &linear_into);
   m.impl("mkl_pack", &mkl_pack);
   m.impl("socket_all_reduce", &all_reduce);
+  m.impl("decode_attention", &decode_attention);
 }

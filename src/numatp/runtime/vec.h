@@ -1,0 +1,173 @@
+// numatp's vectors of fp32 for its kernels (gemv.cpp, attention.cpp): bf16 as stored, loads of fp32 or bf16
+// widened to fp32 lanes, the few arithmetic operations the kernels use, and an OpenMP split of a loop over
+// the caller's team. The width is this CPU's (the library is built with -march=native): AVX-512, else AVX2
+// with FMA, else one lane. No torch headers, so the kernels compile in about a second.
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace numatp_vec {
+
+// bfloat16 as stored: the high half of an fp32
+struct bf16 {
+  std::uint16_t bits;
+  bf16() = default;
+  explicit bf16(float f) {   // to nearest, ties to even; NaN stays a (quiet) NaN
+    std::uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    bits = f != f ? std::uint16_t(0x7FC0) : std::uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+};
+static_assert(sizeof(bf16) == 2);
+
+inline float to_float(float v) { return v; }
+inline float to_float(bf16 v) {
+  const std::uint32_t u = std::uint32_t(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// ---- vectors of fp32, loaded from fp32 or bf16 ----
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vset(float v) { return _mm512_set1_ps(v); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const float* p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
+inline vf vload(const bf16* p, int n) {
+  __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+// e^x to within 2 ulp of expf (Cephes' polynomial on x - n ln 2); 0 below -87.3 (where expf's result is
+// subnormal, 1e-38 at most) and for -inf
+inline vf vexp(vf x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.37f));
+  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  vf p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const vf y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vset(float v) { return _mm256_set1_ps(v); }
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const bf16* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <typename T>
+inline vf vload(const T* p, int n) {  // a tail: through a zeroed buffer
+  alignas(32) T tmp[kLanes] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return vload(static_cast<const T*>(tmp));
+}
+inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+// as the AVX-512 one: 2^n made in the exponent bits (n >= -126 above -87.3)
+inline vf vexp(vf x) {
+  const vf live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37f)), _mm256_set1_ps(-87.3f));
+  const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  vf p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const vf y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(live, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#else
+constexpr int kLanes = 1;
+using vf = float;
+inline vf vzero() { return 0.f; }
+inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
+inline vf vset(float v) { return v; }
+inline float vsum(vf a) { return a; }
+template <typename T>
+inline vf vload(const T* p) { return to_float(*p); }
+template <typename T>
+inline vf vload(const T* p, int) { return to_float(*p); }
+inline void vstore(float* p, vf a) { *p = a; }
+inline vf vadd(vf a, vf b) { return a + b; }
+inline vf vmul(vf a, vf b) { return a * b; }
+inline vf vsub(vf a, vf b) { return a - b; }
+inline vf vexp(vf x) { return x < -87.3f ? 0.f : std::exp(x); }
+#endif
+
+// f(begin, end) on each thread of the caller's OpenMP team, over contiguous parts of [0, count).
+// OpenMP itself, not ATen's parallel_for: the first at::parallel_for a library makes on a thread resets that
+// thread's thread count to the process-wide value torch last set on any thread (at::init_num_threads),
+// which undid a socket worker's own count (measured: a 2-thread socket ran its whole decode step, MKL
+// included, on 1 thread after the caller had set 1 for its token loop, 0.6x).
+template <typename F>
+void parallel(int64_t count, int64_t grain, F&& f) {
+#ifdef _OPENMP
+  const int64_t threads = std::min<int64_t>(omp_get_max_threads(), (count + grain - 1) / grain);
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+    {
+      const int64_t t = omp_get_thread_num(), all = omp_get_num_threads();
+      const int64_t begin = count * t / all, end = count * (t + 1) / all;
+      if (begin < end) f(begin, end);
+    }
+    return;
+  }
+#endif
+  f(0, count);
+}
+
+inline int64_t team_size() {
+#ifdef _OPENMP
+  return omp_in_parallel() ? 1 : omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+}  // namespace numatp_vec
