@@ -9,7 +9,8 @@
 //   "nk" (nn.Linear, (N, K) rows): each output is a dot product along a weight row; 4-16 rows at a time,
 //        the x rows reused from L1, fp32 accumulators reduced once per output;
 //   "kn" (GPT-2 Conv1D, (K, N) rows): each weight row scales into partial outputs, four weight rows at
-//        a time, each thread over its own band of rows; the bands' partials are added at the end.
+//        a time, each thread over its own band of rows; the bands' partials are added at the end (7 or 8
+//        rows of x: column strips summed in registers over blocks of 16 weight rows, see kn_strips).
 //
 // Any number of rows of x, in passes of up to 8 (past 8 the weight is read again per pass; ops.cpp calls
 // it for up to 16): a decode step of a batch of 8 sequences streams each weight once (measured, bf16, one
@@ -193,6 +194,70 @@ void kn_band(const T* x, const T* w, float* part, int64_t k, int64_t n, int64_t 
   }
 }
 
+// 7 or 8 rows of x: column strips of kStripVectors vectors, each strip's MR x strip sums in registers over
+// a block of kStripBlock weight rows, the strips of a block in turn (each thread over its own strips), the
+// sums kept in memory between blocks. The band loop above loads and stores its partial sums once per four
+// weight rows, which at 8 rows of x costs more than the weight's own stream; here once per 16. x is read
+// as fp32 from a (K, MR) copy, one cache line per weight row. A strip steps down a block row by row, so
+// each load of the next block is fetched ahead, a whole block (a pass over every strip) before its use.
+// Measured (bf16, one thread, weights streamed, 8 rows, GPT-2 shapes K x N): 1024 x 1536 50 -> 67
+// GFLOP/s, 1024 x 2048 46 -> 61, 1024 x 4096 48 -> 62, 512 x 1024 50 -> 52, 2048 x 1024 and 4096 x 1024
+// unchanged (54-63); at 5 and 6 rows it was slower on two of these shapes, so fewer rows keep the bands.
+constexpr int kStripRows = 7;
+#if defined(__AVX512F__)
+template <int MR>
+constexpr int kStripVectors = 2;   // MR x 2 accumulators of 32 registers
+#else
+template <int MR>
+constexpr int kStripVectors = 1;   // MR accumulators of 16 registers
+#endif
+constexpr int64_t kStripBlock = 16;   // weight rows per pass over the strips
+
+template <typename T, int MR>
+void kn_strips(const T* x, const T* w, const T* bias, T* y, int64_t k, int64_t n) {
+  constexpr int SV = kStripVectors<MR>;
+  constexpr int64_t width = SV * kLanes;
+  std::vector<float> xt(static_cast<size_t>(k * MR));   // x as fp32, (K, MR)
+  for (int r = 0; r < MR; ++r)
+    for (int64_t i = 0; i < k; ++i) xt[i * MR + r] = to_float(x[r * k + i]);
+  const int64_t strips = n / width;
+  std::vector<float> part(static_cast<size_t>(MR * n), 0.f);   // (MR, N) sums so far
+  parallel(strips, 4, [&](int64_t s0, int64_t s1) {
+    for (int64_t i0 = 0; i0 < k; i0 += kStripBlock) {
+      const int64_t i1 = std::min(k, i0 + kStripBlock);
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t c = s * width;
+        vf acc[MR][SV];
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < SV; ++j) acc[r][j] = vload(part.data() + r * n + c + j * kLanes);
+        // this strip's lines of the next block, a block (a pass over every strip) ahead of their use
+        for (int64_t i = i1; i < std::min(k, i1 + kStripBlock); ++i)
+          for (int64_t b = 0; b < width * static_cast<int64_t>(sizeof(T)); b += 64)
+            ahead(reinterpret_cast<const char*>(w + i * n + c) + b);
+        for (int64_t i = i0; i < i1; ++i) {
+          vf wv[SV];
+          for (int j = 0; j < SV; ++j) wv[j] = vload(w + i * n + c + j * kLanes);
+          const float* xi = xt.data() + i * MR;
+          for (int r = 0; r < MR; ++r) {
+            const vf xv = vset(xi[r]);
+            for (int j = 0; j < SV; ++j) acc[r][j] = vfma(xv, wv[j], acc[r][j]);
+          }
+        }
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < SV; ++j) vstore(part.data() + r * n + c + j * kLanes, acc[r][j]);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int64_t c = s0 * width; c < s1 * width; ++c) put(y, r * n + c, part[r * n + c], bias, c);
+  });
+  for (int64_t c = strips * width; c < n; ++c)   // the columns past the last whole strip
+    for (int r = 0; r < MR; ++r) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < k; ++i) sum += xt[i * MR + r] * to_float(w[i * n + c]);
+      put(y, r * n + c, sum, bias, c);
+    }
+}
+
 template <typename T, int MR>
 void kn_rows(const T* x, const T* w, const T* bias, T* y, int64_t k, int64_t n) {
   // bands of whole groups of 4 rows, at most one per thread
@@ -216,7 +281,13 @@ void kn_rows(const T* x, const T* w, const T* bias, T* y, int64_t k, int64_t n) 
 
 template <typename T, int MR>
 void pass(const T* x, const T* w, const T* bias, T* y, int64_t k, int64_t n, bool kn) {
-  kn ? kn_rows<T, MR>(x, w, bias, y, k, n) : nk_rows<T, MR>(x, w, bias, y, k, n);
+  if (!kn) {
+    nk_rows<T, MR>(x, w, bias, y, k, n);
+  } else if constexpr (MR >= kStripRows) {
+    kn_strips<T, MR>(x, w, bias, y, k, n);
+  } else {
+    kn_rows<T, MR>(x, w, bias, y, k, n);
+  }
 }
 
 template <typename T>
