@@ -52,7 +52,8 @@ inline float dot(const T* qt, const float* qf, const T* k, int64_t D) {
       t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(qt + d), (__m512bh)_mm512_loadu_si512(k + d));
     if (d < D) {
       const __mmask32 m = (__mmask32)((1ull << (D - d)) - 1);
-      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_maskz_loadu_epi16(m, qt + d), (__m512bh)_mm512_maskz_loadu_epi16(m, k + d));
+      t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_maskz_loadu_epi16(m, qt + d),
+                           (__m512bh)_mm512_maskz_loadu_epi16(m, k + d));
     }
     return _mm512_reduce_add_ps(t);
   }
@@ -76,8 +77,6 @@ template <typename T>
 void group(const T* q, const T* k, const T* v, const T* mask, T* out, const Shape& a, int64_t b, int64_t hk,
            std::vector<float>& buf) {
   const int64_t G = a.heads / a.kv_heads, S = a.positions, D = a.dim;
-  const int64_t full = D / kLanes * kLanes;
-  const int tail = static_cast<int>(D - full);
   buf.assign(static_cast<size_t>(G * D * 2 + G * S), 0.f);
   float* qf = buf.data();          // G x D: the queries, fp32
   float* acc = qf + G * D;         // G x D: sum_s p[s] v[s]

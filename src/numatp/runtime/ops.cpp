@@ -347,8 +347,8 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const std::optional<a
 // Dequantize-per-tile GEMM: blocks of output channels dequantized into a buffer of this thread's (in x's
 // dtype: the weight rounded to bf16 where x is bf16, exact for fp32), each multiplied by a GEMM into the
 // output's columns: oneDNN's for bf16 (measured on an AVX-512/AMX Xeon, 2 threads, 512 x 1024 x 4096: 350
-// GFLOP/s where ATen's mm ran 165), ATen's (MKL) for fp32, written in place. Blocks as large as kTileBytes allows: one block for most layers, so that the GEMM
-// runs on as many columns as it can.
+// GFLOP/s where ATen's mm ran 165), ATen's (MKL) for fp32, written in place. Blocks as large as kTileBytes
+// allows: one block for most layers, so that the GEMM runs on as many columns as it can.
 constexpr int64_t kTileBytes = 8 << 20;
 
 at::Tensor qtile(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,

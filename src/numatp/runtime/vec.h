@@ -61,14 +61,16 @@ inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-// e^x to within 2 ulp of expf (Cephes' polynomial on x - n ln 2); 0 below -87.3 (where expf's result is
-// subnormal, 1e-38 at most) and for -inf
+// e^x as Cephes' expf computes it (a degree-6 polynomial of x - n ln 2, times 2^n): within a few ulp of
+// expf; 0 below -87.3 (where expf's result is subnormal, 1e-38 at most) and for -inf
 inline vf vexp(vf x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
   x = _mm512_min_ps(x, _mm512_set1_ps(88.37f));
   const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  // r = x - n ln 2, ln 2 in two parts (Cody-Waite) so that r keeps its low bits
+  const vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
+                               _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
   vf p = _mm512_set1_ps(1.9875691500e-4f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
@@ -111,7 +113,9 @@ inline vf vexp(vf x) {
   x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37f)), _mm256_set1_ps(-87.3f));
   const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  // r = x - n ln 2, ln 2 in two parts (Cody-Waite) so that r keeps its low bits
+  const vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f),
+                               _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
   vf p = _mm256_set1_ps(1.9875691500e-4f);
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
