@@ -8,7 +8,7 @@ all-reduce, plain C functions that :mod:`numatp.runtime.collective` calls throug
 the GEMM providers call), ``gemv.cpp`` (numatp's own kernel for a decode step's few rows, one of those
 providers), ``quant.cpp`` (its kernels over quantized weights: a GEMV and the dequantizing of tiles, for
 more providers) and ``attention.cpp`` (a decode step's single-query attention); ``vec.h`` is the vectors
-gemv.cpp and attention.cpp share. It is built
+the kernels share. It is built
 with torch's headers, ABI and libraries (as torch's own C++ extensions are) into
 ``~/.cache/numatp/ext/``, keyed by the sources, the compiler, the flags, this CPU and the torch build, so
 a new CPU or torch builds again (about 15 s: the sources compile at once, ops.cpp's torch headers take

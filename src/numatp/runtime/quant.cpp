@@ -34,14 +34,11 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "vec.h"
 
 namespace quant_kernels {
+
+using namespace numatp_vec;   // fp32 vectors and parallel(), as gemv.cpp
 
 using u16 = std::uint16_t;
 
@@ -67,25 +64,6 @@ struct QW {
   std::int64_t n, k, group, groups;
 };
 
-// f(begin, end) on each thread of the caller's OpenMP team, over contiguous parts of [0, count) (as
-// gemv.cpp: OpenMP itself, so that a socket worker's thread count is the one that runs)
-template <typename F>
-void parallel(std::int64_t count, std::int64_t grain, F&& f) {
-#ifdef _OPENMP
-  const std::int64_t threads = std::min<std::int64_t>(omp_get_max_threads(), (count + grain - 1) / grain);
-  if (threads > 1 && !omp_in_parallel()) {
-#pragma omp parallel num_threads(threads)
-    {
-      const std::int64_t t = omp_get_thread_num(), all = omp_get_num_threads();
-      const std::int64_t begin = count * t / all, end = count * (t + 1) / all;
-      if (begin < end) f(begin, end);
-    }
-    return;
-  }
-#endif
-  f(0, count);
-}
-
 // Software prefetch (as gemv.cpp: the hardware prefetcher alone keeps too few lines in flight for one
 // core), kAheadBytes ahead of each load in the order this channel slot reads: along its row, then on into
 // its row of the next block of NR channels (NR rows down), not into the next row, which another channel
@@ -99,16 +77,8 @@ inline const void* along(const void* row_start, std::int64_t at, std::int64_t ro
 }
 inline void ahead(const void* p) { __builtin_prefetch(p, 0, 3); }
 
-// ---- the fp32 path: vectors of fp32 ----
+// ---- the fp32 path: int8 and int4 widened to vec.h's vectors of fp32 ----
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vset(float v) { return _mm512_set1_ps(v); }
-inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void store(float* p, vf a) { _mm512_storeu_ps(p, a); }
 // kLanes int8 as fp32
 inline vf load_i8(const std::int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -121,19 +91,6 @@ inline void load_i4(const std::uint8_t* p, vf* out) {
   out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int kLanes = 8;
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vset(float v) { return _mm256_set1_ps(v); }
-inline float vsum(vf a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void store(float* p, vf a) { _mm256_storeu_ps(p, a); }
 inline vf load_i8(const std::int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
@@ -149,14 +106,6 @@ inline void load_i4(const std::uint8_t* p, vf* out) {
   out[3] = cvt(_mm_srli_si128(hi, 8));
 }
 #else
-constexpr int kLanes = 1;
-using vf = float;
-inline vf vzero() { return 0.f; }
-inline vf vfma(vf a, vf b, vf c) { return a * b + c; }
-inline vf vset(float v) { return v; }
-inline float vsum(vf a) { return a; }
-inline vf vload(const float* p) { return *p; }
-inline void store(float* p, vf a) { *p = a; }
 inline vf load_i8(const std::int8_t* p) { return float(*p); }
 inline void load_i4(const std::uint8_t* p, vf* out) {
   for (int i = 0; i < 16; ++i) {
@@ -468,7 +417,7 @@ void dequant(const QW& w, std::int64_t n0, std::int64_t n1, void* out, int to_bf
         const float s = w.s[n];
         const vf sv = vset(s);
         std::int64_t c = 0;
-        for (; c + kLanes <= k; c += kLanes) store(dst + c, load_i8(q + c) * sv);
+        for (; c + kLanes <= k; c += kLanes) vstore(dst + c, load_i8(q + c) * sv);
         for (; c < k; ++c) dst[c] = float(q[c]) * s;
       } else {
         const std::uint8_t* q = w.q + n * (k / 2);
@@ -481,7 +430,7 @@ void dequant(const QW& w, std::int64_t n0, std::int64_t n1, void* out, int to_bf
             for (int e = 0; e < 32 / kLanes; ++e) {
               vf t = v[e] * sv;
               if (w.z) t = t + zv;
-              store(dst + c + e * kLanes, t);
+              vstore(dst + c + e * kLanes, t);
             }
           }
         }
