@@ -1,7 +1,7 @@
-// numatp's vectors of fp32 for its kernels (gemv.cpp, quant.cpp, attention.cpp): bf16 as stored, loads of fp32 or bf16
-// widened to fp32 lanes, the few arithmetic operations the kernels use, and an OpenMP split of a loop over
-// the caller's team. The width is this CPU's (the library is built with -march=native): AVX-512, else AVX2
-// with FMA, else one lane. No torch headers, so the kernels compile in about a second.
+// numatp's vectors of fp32 for its kernels (gemv.cpp, quant.cpp, attention.cpp): bf16 as stored, loads of
+// fp32 or bf16 widened to fp32 lanes, the few arithmetic operations the kernels use, and an OpenMP split of a
+// loop over the caller's team. The width is this CPU's (the library is built with -march=native): AVX-512,
+// else AVX2 with FMA, else one lane. No torch headers, so the kernels compile in about a second.
 
 #pragma once
 
