@@ -61,25 +61,11 @@ inline void vstore(float* p, vf a) { _mm512_storeu_ps(p, a); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-// e^x as Cephes' expf computes it (a degree-6 polynomial of x - n ln 2, times 2^n): within a few ulp of
-// expf; 0 below -87.3 (where expf's result is subnormal, 1e-38 at most) and for -inf
-inline vf vexp(vf x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.37f));
-  const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln 2, ln 2 in two parts (Cody-Waite) so that r keeps its low bits
-  const vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f),
-                               _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  vf p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const vf y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(y, n));
-}
+inline vf vmin(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vscale2(vf y, vf n) { return _mm512_scalef_ps(y, n); }   // y * 2^n, n integral
+inline vf vkeep_ge(vf x, vf low, vf v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, low, _CMP_GE_OQ), v); }
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int kLanes = 8;
 using vf = __m256;
@@ -107,25 +93,14 @@ inline void vstore(float* p, vf a) { _mm256_storeu_ps(p, a); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-// as the AVX-512 one: 2^n made in the exponent bits (n >= -126 above -87.3)
-inline vf vexp(vf x) {
-  const vf live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.37f)), _mm256_set1_ps(-87.3f));
-  const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln 2, ln 2 in two parts (Cody-Waite) so that r keeps its low bits
-  const vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f),
-                               _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
-  vf p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const vf y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(live, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vscale2(vf y, vf n) {   // y * 2^n, n integral in [-126, 127]: 2^n made in the exponent bits
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                                  _mm256_set1_epi32(127)), 23)));
 }
+inline vf vkeep_ge(vf x, vf low, vf v) { return _mm256_and_ps(_mm256_cmp_ps(x, low, _CMP_GE_OQ), v); }
 #else
 constexpr int kLanes = 1;
 using vf = float;
@@ -142,6 +117,25 @@ inline vf vadd(vf a, vf b) { return a + b; }
 inline vf vmul(vf a, vf b) { return a * b; }
 inline vf vsub(vf a, vf b) { return a - b; }
 inline vf vexp(vf x) { return x < -87.3f ? 0.f : std::exp(x); }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// e^x as Cephes' expf computes it (a degree-6 polynomial of r = x - n ln 2, times 2^n): within a few ulp
+// of expf; 0 below -87.3 (where expf's result is subnormal, 1e-38 at most) and for -inf
+inline vf vexp(vf x) {
+  const vf low = vset(-87.3f);
+  const vf xs = vmax(vmin(x, vset(88.37f)), low);
+  const vf n = vround(vmul(xs, vset(1.44269504088896341f)));
+  // ln 2 in two parts (Cody-Waite), so that r keeps its low bits
+  const vf r = vfma(n, vset(2.12194440e-4f), vfma(n, vset(-0.693359375f), xs));
+  vf p = vset(1.9875691500e-4f);
+  p = vfma(p, r, vset(1.3981999507e-3f));
+  p = vfma(p, r, vset(8.3334519073e-3f));
+  p = vfma(p, r, vset(4.1665795894e-2f));
+  p = vfma(p, r, vset(1.6666665459e-1f));
+  p = vfma(p, r, vset(5.0000001201e-1f));
+  return vkeep_ge(x, low, vscale2(vadd(vfma(vmul(p, r), r, r), vset(1.f)), n));
+}
 #endif
 
 // f(begin, end) on each thread of the caller's OpenMP team, over contiguous parts of [0, count).
