@@ -36,11 +36,6 @@ constexpr float kMasked = -1e30f;
 constexpr int64_t kAheadRows = 8;   // K and V rows fetched ahead of the one read
 constexpr int kChunk = 4;           // vectors of V's columns summed in registers at a time
 
-// the cache lines of the row of ``bytes`` at ``p``, into L1 ahead of their use
-inline void ahead(const void* p, int64_t bytes) {
-  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(static_cast<const char*>(p) + i, 0, 3);
-}
-
 // q . k over D: q as given (qt) and widened to fp32 (qf)
 template <typename T>
 inline float dot(const T* qt, const float* qf, const T* k, int64_t D) {
@@ -77,49 +72,50 @@ template <typename T>
 void group(const T* q, const T* k, const T* v, const T* mask, T* out, const Shape& a, int64_t b, int64_t hk,
            std::vector<float>& buf) {
   const int64_t G = a.heads / a.kv_heads, S = a.positions, D = a.dim;
-  buf.assign(static_cast<size_t>(G * D * 2 + G * S), 0.f);
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  // the thread's scratch, reused from item to item (no allocation per item once it is large enough)
+  buf.assign(static_cast<size_t>(G * D * 2 + G * S + 3 * G), 0.f);
   float* qf = buf.data();          // G x D: the queries, fp32
   float* acc = qf + G * D;         // G x D: sum_s p[s] v[s]
   float* sc = acc + G * D;         // G x S: scores, then weights
-  std::vector<const T*> mrow(static_cast<size_t>(G), nullptr);
-  std::vector<char> every(static_cast<size_t>(G), 0);   // no unmasked position: every one counts
+  float* peak = sc + G * S;        // G: the largest score
+  float* total = peak + G;         // G: sum_s p[s]
+  float* every = total + G;        // G: 1 where no position is unmasked (every one counts)
+  std::fill(peak, peak + G, kNone);
+  auto qrow = [&](int64_t g) { return q + b * a.q_b + (hk * G + g) * a.q_h; };
+  auto mrow = [&](int64_t g) { return mask + b * a.m_b + (hk * G + g) * a.m_h; };
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t h = hk * G + g;
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[b * a.q_b + h * a.q_h + d]);
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qrow(g)[d]);
     if (mask) {
-      mrow[g] = mask + b * a.m_b + h * a.m_h;
       bool any = false;
-      for (int64_t s = 0; s < S && !any; ++s) any = to_float(mrow[g][s]) > kMasked;
-      every[g] = !any;
+      for (int64_t s = 0; s < S && !any; ++s) any = to_float(mrow(g)[s]) > kMasked;
+      every[g] = any ? 0.f : 1.f;
     }
   }
   const T* kb = k + b * a.k_b + hk * a.k_h;
   const T* vb = v + b * a.v_b + hk * a.v_h;
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
-  std::vector<float> peak(static_cast<size_t>(G), kNone);
   // scores: each K row loaded once for the group's query heads
   for (int64_t s = 0; s < S; ++s) {
     bool read = false;
-    for (int64_t g = 0; g < G && !read; ++g) read = !mask || every[g] || to_float(mrow[g][s]) > kMasked;
+    for (int64_t g = 0; g < G && !read; ++g) read = !mask || every[g] != 0.f || to_float(mrow(g)[s]) > kMasked;
     if (!read) {
       for (int64_t g = 0; g < G; ++g) sc[g * S + s] = kNone;
       continue;
     }
     const T* kr = kb + s * a.k_s;
-    ahead(kr + kAheadRows * a.k_s, D * sizeof(T));
+    ahead(kr + kAheadRows * a.k_s, D * static_cast<int64_t>(sizeof(T)));
     for (int64_t g = 0; g < G; ++g) {
-      const float m = mask ? to_float(mrow[g][s]) : 0.f;
-      if (mask && !every[g] && m <= kMasked) {
+      const float m = mask ? to_float(mrow(g)[s]) : 0.f;
+      if (mask && every[g] == 0.f && m <= kMasked) {
         sc[g * S + s] = kNone;
         continue;
       }
-      const float score = dot(q + b * a.q_b + (hk * G + g) * a.q_h, qf + g * D, kr, D) * a.scale + m;
+      const float score = dot(qrow(g), qf + g * D, kr, D) * a.scale + m;
       sc[g * S + s] = score;
       peak[g] = std::max(peak[g], score);
     }
   }
   // weights exp(score - peak), and their sums
-  std::vector<float> total(static_cast<size_t>(G), 0.f);
   for (int64_t g = 0; g < G; ++g) {
     float* row = sc + g * S;
     if (peak[g] == kNone) {   // every score -inf: no weight anywhere (flash attention returns zeros)
@@ -152,7 +148,7 @@ void group(const T* q, const T* k, const T* v, const T* mask, T* out, const Shap
       for (int64_t s = 0; s < S; ++s) {
         if (p[s] == 0.f) continue;
         const T* vr = vb + s * a.v_s + d;
-        if (g == 0) ahead(vr + kAheadRows * a.v_s, kChunk * kLanes * sizeof(T));
+        if (g == 0) ahead(vr + kAheadRows * a.v_s, kChunk * kLanes * static_cast<int64_t>(sizeof(T)));
         const vf w = vset(p[s]);
         for (int j = 0; j < kChunk; ++j) t[j] = vfma(w, vload(vr + j * kLanes), t[j]);
       }

@@ -38,22 +38,9 @@
 
 namespace quant_kernels {
 
-using namespace numatp_vec;   // fp32 vectors and parallel(), as gemv.cpp
+using namespace numatp_vec;   // fp32 vectors, bf16 conversions, ahead() and parallel(), as gemv.cpp
 
 using u16 = std::uint16_t;
-
-inline float bf16_to_float(u16 v) {
-  const std::uint32_t u = std::uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline u16 float_to_bf16(float f) {   // to nearest, ties to even; NaN stays a (quiet) NaN
-  std::uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return f != f ? u16(0x7FC0) : u16((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 // The weight: the buffer's sections and sizes (ops.cpp reads them from the header).
 struct QW {
@@ -75,7 +62,6 @@ inline const void* along(const void* row_start, std::int64_t at, std::int64_t ro
   const std::int64_t to = at + kAheadBytes;
   return to < row ? p + to : p + next + (to - row);
 }
-inline void ahead(const void* p) { __builtin_prefetch(p, 0, 3); }
 
 // ---- the fp32 path: int8 and int4 widened to vec.h's vectors of fp32 ----
 #if defined(__AVX512F__)

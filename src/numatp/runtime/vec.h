@@ -20,23 +20,32 @@
 namespace numatp_vec {
 
 // bfloat16 as stored: the high half of an fp32
+inline float bf16_to_float(std::uint16_t bits) {
+  const std::uint32_t u = std::uint32_t(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline std::uint16_t float_to_bf16(float f) {   // to nearest, ties to even; NaN stays a (quiet) NaN
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return f != f ? std::uint16_t(0x7FC0) : std::uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 struct bf16 {
   std::uint16_t bits;
   bf16() = default;
-  explicit bf16(float f) {   // to nearest, ties to even; NaN stays a (quiet) NaN
-    std::uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    bits = f != f ? std::uint16_t(0x7FC0) : std::uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
+  explicit bf16(float f) : bits(float_to_bf16(f)) {}
 };
 static_assert(sizeof(bf16) == 2);
 
 inline float to_float(float v) { return v; }
-inline float to_float(bf16 v) {
-  const std::uint32_t u = std::uint32_t(v.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+inline float to_float(bf16 v) { return bf16_to_float(v.bits); }
+
+// Software prefetch into L1: the line at p, or the lines of the bytes from p on
+inline void ahead(const void* p) { __builtin_prefetch(p, 0, 3); }
+inline void ahead(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) ahead(static_cast<const char*>(p) + i);
 }
 
 // ---- vectors of fp32, loaded from fp32 or bf16 ----
