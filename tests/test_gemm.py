@@ -46,7 +46,15 @@ def _runs_here(provider: str, dtype: torch.dtype) -> bool:
     test_provider_runs_exactly_where_the_cpu_has_its_kernels checks that a measurement agrees."""
     if dtype == torch.bfloat16 and provider.startswith("onednn"):
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if provider == "amx":   # bf16 only, on a CPU whose flags name AMX's tiles and their bf16 products
+        return dtype == torch.bfloat16 and {"amx_tile", "amx_bf16"} <= _cpu_flags()
     return True
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo), read without numatp's own checks."""
+    with open("/proc/cpuinfo") as f:
+        return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
 
 
 _KEPT: list = []
@@ -74,8 +82,9 @@ def _run(family, dtype, sockets, options, seqs=(16,), mode="eager"):
 
 
 ALL_CASES = [(torch.float32, "onednn"), (torch.float32, "onednn_packed"), (torch.float32, "mkl_packed"),
-             (torch.bfloat16, "onednn"), (torch.bfloat16, "onednn_packed"), (torch.bfloat16, "mkl_packed_f32")]
-# only what this CPU runs (oneDNN bf16 needs AVX-512 or AVX-NE-CONVERT); the rest is checked below
+             (torch.bfloat16, "onednn"), (torch.bfloat16, "onednn_packed"), (torch.bfloat16, "mkl_packed_f32"),
+             (torch.bfloat16, "amx"), (torch.float32, "amx")]
+# only what this CPU runs (oneDNN bf16 needs AVX-512 or AVX-NE-CONVERT, amx AMX-BF16); the rest is checked below
 CASES = [(d, p) for d, p in ALL_CASES if _runs_here(p, d)]
 
 
@@ -89,8 +98,9 @@ def _one_family_per_dtype(dtype: torch.dtype, family: str) -> tuple:
 def test_provider_runs_exactly_where_the_cpu_has_its_kernels(dtype, provider):
     """A provider this CPU cannot run measures 0 GFLOP/s, so a measured choice never picks it; one it can
     run measures a rate. Which is which comes from ATen's own CPU check, not from measuring: oneDNN's
-    bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; the fp32 providers and the fp32 MKL path
-    of bf16 run on every x86-64 CPU torch supports."""
+    bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; amx (bf16 only) AMX-BF16 tiles, as the CPU's
+    flags list them; the fp32 providers and the fp32 MKL path of bf16 run on every x86-64 CPU torch
+    supports."""
     runs = _runs_here(provider, dtype)
     rate = measure(PROVIDERS[provider], GemmShape(32, 64, 64, str(dtype)[6:], "nk", 1), min_seconds=0,
                    max_calls=2)
@@ -116,9 +126,11 @@ def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
 # there): one socket and two, fp32 and bf16, packed oneDNN and MKL operands
 @pytest.mark.parametrize(("family", "dtype", "provider", "sockets"), [
     pytest.param("gpt2", torch.float32, "onednn_packed", 1, marks=pytest.mark.slow),
-    ("llama", torch.bfloat16, "mkl_packed_f32", 2)])
+    ("llama", torch.bfloat16, "mkl_packed_f32", 2),
+    pytest.param("gpt2", torch.bfloat16, "amx", 2, marks=pytest.mark.skipif(
+        not _runs_here("amx", torch.bfloat16), reason="this CPU has no AMX-BF16 tiles"))])
 def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_path):
-    assert _measures_a_rate(provider, dtype), f"{provider} is expected to run {dtype} on any x86-64 CPU torch supports"
+    assert _measures_a_rate(provider, dtype), f"{provider} is expected to run {dtype} here"
     backend = _run(family, dtype, sockets, GemmOptions(force=provider, cache_dir=str(tmp_path)), mode="inductor")
     _check_forced(backend, provider)
     _check_no_cuts(backend, sockets)
@@ -224,6 +236,70 @@ def test_gemv_takes_at_most_16_rows():
         torch.ops.numatp.linear(x, w, None, gemm_mod.native_code("gemv", "nk"), 4, 8)
     assert measure(PROVIDERS["gemv"], GemmShape(17, 8, 4, "float32", "nk", 1), min_seconds=0, max_calls=2) == 0
     assert measure(PROVIDERS["gemv"], GemmShape(16, 8, 4, "float32", "nk", 1), min_seconds=0, max_calls=2) > 0
+
+
+@pytest.mark.skipif(not _runs_here("amx", torch.bfloat16), reason="this CPU has no AMX-BF16 tiles")
+def test_amx_equals_a_float64_matmul_for_any_rows():
+    """numatp's AMX kernel on a packed weight, both layouts packed from the weight as stored, with and
+    without bias: a decode step's 1-16 rows (one tile of x, four blocks of channels at once), a prompt's
+    rows past 16 (tiles of 16 rows two at a time, the last one partly zero), and sizes around its tiles
+    (16 channels, 32 k values, groups of 64 channels; the edges padded with zeros)."""
+    p = PROVIDERS["amx"]
+    g = torch.Generator().manual_seed(2)
+    for m in (1, 2, 7, 8, 15, 16, 17, 32, 33, 50):
+        for k, n in ((1, 1), (31, 17), (32, 16), (33, 65), (100, 130), (64, 200)):
+            for layout in ("nk", "kn"):
+                x = torch.randn(m, k, generator=g).bfloat16()
+                w = torch.randn(n, k, generator=g).bfloat16() if layout == "nk" else \
+                    torch.randn(k, n, generator=g).bfloat16().t()
+                op = p.prepare(w, m)
+                assert op.dtype == torch.bfloat16 and op.dim() == 1
+                for b in (torch.randn(n, generator=g).bfloat16(), None):
+                    y = p.call(x, op, b, n, k)
+                    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+                    _assert_is_the_matmul(y, x, w, b, f"amx m={m} k={k} n={n} {layout}")
+
+
+@pytest.mark.skipif(not _runs_here("amx", torch.bfloat16), reason="this CPU has no AMX-BF16 tiles")
+def test_amx_refuses_what_it_cannot_run():
+    """A float32 weight or x, a packed weight called for another shape and a buffer that is not a packed
+    weight are refused with the rule named, not computed."""
+    load_ops()
+    code = gemm_mod.native_code("amx", "nk")
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.numatp.amx_pack(torch.randn(4, 8), -1)
+    packed = torch.ops.numatp.amx_pack(torch.randn(4, 8).bfloat16(), -1)
+    with pytest.raises(RuntimeError, match=r"packed as \(N, K\) = \(4, 8\)"):
+        torch.ops.numatp.linear(torch.randn(2, 16).bfloat16(), packed, None, code, 4, 16)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        torch.ops.numatp.linear(torch.randn(2, 8), packed, None, code, 4, 8)
+    with pytest.raises(RuntimeError, match="amx_pack's buffer"):
+        torch.ops.numatp.linear(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), None, code, 4, 8)
+
+
+@pytest.mark.skipif(not _runs_here("amx", torch.bfloat16), reason="this CPU has no AMX-BF16 tiles")
+def test_amx_and_onednn_take_turns_on_one_thread():
+    """oneDNN's bf16 GEMM configures the same tiles (AMX) for its own kernels: calls of the two in turn on
+    one thread, as a prompt on a oneDNN packed weight and decode steps on amx run, each stay exact."""
+    load_ops()
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 160, generator=g).bfloat16()
+    dnn = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    amx = PROVIDERS["amx"].prepare(w, 4)
+    for m in (64, 4, 64, 1, 33, 4):
+        x = torch.randn(m, 160, generator=g).bfloat16()
+        _assert_is_the_matmul(torch.ops.mkldnn._linear_pointwise(x, dnn, None, "none", [], ""), x, w, None,
+                              f"onednn m={m}")
+        _assert_is_the_matmul(PROVIDERS["amx"].call(x, amx, None, 96, 160), x, w, None, f"amx m={m}")
+
+
+def test_amx_usable_agrees_with_the_cpu_flags():
+    """Where the CPU lists AMX-BF16 the library has the kernel (it is built for this CPU) and Linux grants
+    the tiles; elsewhere the provider fails to prepare with the way out named (and so measures 0)."""
+    assert gemm_mod.amx_usable() == _runs_here("amx", torch.bfloat16)
+    if not gemm_mod.amx_usable():
+        with pytest.raises(RuntimeError, match="leave it out of GemmOptions.providers"):
+            PROVIDERS["amx"].prepare(torch.randn(4, 8).bfloat16(), 1)
 
 
 def _check_forced(backend, provider):

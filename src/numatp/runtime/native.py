@@ -1,14 +1,14 @@
 """numatp's C++ library, compiled on first use with the compiler torch.compile's C++ backend uses.
 
-Five sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
+Six sources beside this file make one shared library: ``collective.cpp`` (the sockets' barrier and
 all-reduce, plain C functions that :mod:`numatp.runtime.collective` calls through ``ctypes``),
 ``ops.cpp`` (dispatcher ops that compiled segments call from their C++ wrapper without the GIL:
 ``numatp::linear``, the GEMM providers, ``numatp::socket_all_reduce``, the collective itself, and
-``numatp::decode_attention``; and ``numatp::linear_into`` and ``numatp::mkl_pack``, which the executor and
-the GEMM providers call), ``gemv.cpp`` (numatp's own kernel for a decode step's few rows, one of those
-providers), ``quant.cpp`` (its kernels over quantized weights: a GEMV and the dequantizing of tiles, for
-more providers) and ``attention.cpp`` (a decode step's single-query attention); ``vec.h`` is the vectors
-the kernels share. It is built
+``numatp::decode_attention``; and ``numatp::linear_into``, ``numatp::mkl_pack`` and ``numatp::amx_pack``,
+which the executor and the GEMM providers call), ``gemv.cpp`` (numatp's own kernel for a decode step's few
+rows, one of those providers), ``amx.cpp`` (its bf16 kernel on AMX tiles, another), ``quant.cpp`` (its
+kernels over quantized weights: a GEMV and the dequantizing of tiles, for more providers) and
+``attention.cpp`` (a decode step's single-query attention); ``vec.h`` is the vectors the kernels share. It is built
 with torch's headers, ABI and libraries (as torch's own C++ extensions are) into
 ``~/.cache/numatp/ext/``, keyed by the sources, the compiler, the flags, this CPU and the torch build, so
 a new CPU or torch builds again (about 15 s: the sources compile at once, ops.cpp's torch headers take
@@ -35,7 +35,7 @@ from numatp.topology.resources import cpu_signature
 __all__ = ["compiler", "build", "library_path", "load_ops"]
 
 _HERE = Path(__file__).parent
-SOURCES = ("collective.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "attention.cpp")
+SOURCES = ("collective.cpp", "ops.cpp", "gemv.cpp", "quant.cpp", "attention.cpp", "amx.cpp")
 HEADERS = ("vec.h",)
 _lock = threading.Lock()
 _path: Path | None = None
@@ -114,8 +114,9 @@ def library_path() -> Path:
 
 
 def load_ops() -> None:
-    """Register ``numatp::linear``, ``numatp::linear_into``, ``numatp::mkl_pack``,
-    ``numatp::socket_all_reduce`` and ``numatp::decode_attention`` with torch, and their shape functions."""
+    """Register ``numatp::linear``, ``numatp::linear_into``, ``numatp::mkl_pack``, ``numatp::amx_pack``,
+    ``numatp::amx_usable``, ``numatp::socket_all_reduce`` and ``numatp::decode_attention`` with torch, and
+    their shape functions."""
     global _ops_loaded
     path = library_path()
     with _lock:
@@ -134,6 +135,10 @@ def load_ops() -> None:
         @torch.library.register_fake("numatp::mkl_pack")
         def _(w, m, node=-1):
             raise RuntimeError("numatp::mkl_pack packs a real weight; it has no shape function")
+
+        @torch.library.register_fake("numatp::amx_pack")
+        def _(w, node=-1):
+            raise RuntimeError("numatp::amx_pack packs a real weight; it has no shape function")
 
         @torch.library.register_fake("numatp::socket_all_reduce")
         def _(x, after):

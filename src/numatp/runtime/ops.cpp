@@ -7,6 +7,7 @@
 //                       kernels over quantized weights in quant.cpp);
 //   numatp::linear_into the same, written into given columns of a wider tensor (a gathered LM head);
 //   numatp::mkl_pack    MKL's packed copy of a weight, for the mkl_packed providers;
+//   numatp::amx_pack    a bf16 weight packed into AMX tiles (amx.cpp), for the amx provider;
 //   numatp::socket_all_reduce  the sockets' reduction (collective.cpp, built into the same library).
 
 // Only the headers used (Tensor's methods, the few functions called, the dispatcher), not ATen/ATen.h's
@@ -47,6 +48,13 @@ void numatp_qgemv(const std::uint8_t* q, const float* s, const float* z, int bit
                   std::int64_t group, const void* x, int x_bf16, const void* bias, void* y, std::int64_t m);
 void numatp_qdequant(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n,
                      std::int64_t k, std::int64_t group, std::int64_t n0, std::int64_t n1, void* out, int to_bf16);
+// amx.cpp: bf16 GEMM on AMX tiles, on a weight packed into them
+int numatp_amx_usable();
+std::int64_t numatp_amx_packed_size(std::int64_t n, std::int64_t k);
+void numatp_amx_pack(const std::uint16_t* w, std::int64_t n, std::int64_t k, std::int64_t sn, std::int64_t sk,
+                     std::uint16_t* out);
+void numatp_amx_linear(const std::uint16_t* packed, std::int64_t n, std::int64_t k, const std::uint16_t* x,
+                       std::int64_t m, const std::uint16_t* bias, std::uint16_t* y);
 // attention.cpp: a decode step's single-query attention over the cache
 void numatp_decode_attention(const void* q, const void* k, const void* v, const void* mask, void* out, int is_bf16,
                              const std::int64_t* sizes, const std::int64_t* strides, float scale);
@@ -62,6 +70,7 @@ constexpr int64_t kGemvKN = 4;      // the same on a plain (K, N) weight (GPT-2'
 constexpr int64_t kQgemv = 5;       // quant.cpp's GEMV on a quantized buffer (int8 or int4), up to 16 rows
 constexpr int64_t kQtile = 6;       // dequantize-per-tile GEMM on a quantized buffer, any rows
 constexpr int64_t kQ8Aten = 7;      // ATen's _weight_int8pack_mm on views into an int8 buffer
+constexpr int64_t kAmx = 8;         // amx.cpp's tiles on a weight packed by numatp::amx_pack (bf16)
 
 // A new tensor of its own pages, bound to `node` before the first touch (mmap + mbind): a worker's
 // allocator may recycle pages of another node, and a page never written (as MKL's packing leaves part of
@@ -184,6 +193,67 @@ at::Tensor mkl(const at::Tensor& x, const at::Tensor& packed, const std::optiona
                int64_t k) {
   at::Tensor y = at::empty({x.size(0), n}, x.options());
   mkl_into(x, packed, bias, n, k, y);
+  return y;
+}
+
+// ---- the amx provider: bf16 weights packed into AMX tiles (amx.cpp) ----
+//
+// A packed weight is a 1-D bfloat16 tensor: a 64-byte header (N and K as int64, then zeros) and the tiles.
+constexpr int64_t kAmxHeader = 32;   // bf16 values
+
+void require_amx(const char* who) {
+  TORCH_CHECK(numatp_amx_usable() == 1, who, ": this CPU, compiler or kernel gives no AMX-BF16 tiles (Intel "
+              "Xeon 4th generation and later, Linux 5.16+), so the amx provider cannot run; leave it out of "
+              "GemmOptions.providers");
+}
+
+// W (N, K) bf16, any strides (a (K, N) weight's transposed view is read as it lies); node >= 0: the buffer's
+// pages are bound to that node (a real topology's socket), else torch's allocator
+at::Tensor amx_pack(const at::Tensor& w, int64_t node) {
+  require_amx("numatp::amx_pack");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
+              "numatp::amx_pack: the weight must be a 2-D (N, K) bfloat16 tensor, got ", w.scalar_type(), " ",
+              w.sizes());
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t numel = kAmxHeader + numatp_amx_packed_size(n, k);
+  at::Tensor out = node >= 0 ? mapped_on_node({numel}, w.options(), static_cast<int>(node), "numatp::amx_pack")
+                             : at::empty({numel}, w.options());
+  auto* bits = static_cast<std::uint16_t*>(out.mutable_data_ptr());
+  std::memset(bits, 0, kAmxHeader * 2);
+  auto* head = reinterpret_cast<int64_t*>(bits);
+  head[0] = n;
+  head[1] = k;
+  numatp_amx_pack(static_cast<const std::uint16_t*>(w.const_data_ptr()), n, k, w.stride(0), w.stride(1),
+                  bits + kAmxHeader);
+  return out;
+}
+
+at::Tensor amx(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
+               int64_t k) {
+  const char* who = "numatp amx";
+  require_amx(who);
+  TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.numel() >= kAmxHeader,
+              who, ": the weight must be numatp::amx_pack's buffer, got ", packed.scalar_type(), " ", packed.sizes());
+  const auto* bits = static_cast<const std::uint16_t*>(packed.const_data_ptr());
+  const auto* head = reinterpret_cast<const int64_t*>(bits);
+  TORCH_CHECK(head[0] == n && head[1] == k && packed.numel() == kAmxHeader + numatp_amx_packed_size(n, k), who,
+              ": the weight was packed as (N, K) = (", head[0], ", ", head[1], "), the call asks for (", n, ", ", k,
+              ")");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, who, ": x must be bfloat16, got ", x.scalar_type());
+  const int64_t m = x.size(0);
+  std::optional<at::Tensor> b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, who, ": the bias has ", bias->numel(), " elements, the output ", n, " columns");
+    b = bias->to(at::kBFloat16).reshape({n}).contiguous();
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m > 0 && n > 0) {
+    numatp_amx_linear(bits + kAmxHeader, n, k, static_cast<const std::uint16_t*>(xc.const_data_ptr()), m,
+                      b ? static_cast<const std::uint16_t*>(b->const_data_ptr()) : nullptr,
+                      static_cast<std::uint16_t*>(y.mutable_data_ptr()));
+  }
   return y;
 }
 
@@ -435,6 +505,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
       return qtile(x, w, bias, n, k);
     case kQ8Aten:
       return q8_aten(x, w, bias, n, k);
+    case kAmx:
+      return amx(x, w, bias, n, k);
     default:
       TORCH_CHECK(false, "numatp::linear: unknown provider code ", provider);
   }
@@ -560,6 +632,9 @@ TORCH_LIBRARY_FRAGMENT(numatp, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int provider, int n, int k) -> Tensor");
   m.def("linear_into(Tensor x, Tensor w, Tensor? bias, int provider, int n, int k, Tensor(a!) out) -> ()");
   m.def("mkl_pack(Tensor w, int m, int node=-1) -> Tensor");
+  m.def("amx_pack(Tensor w, int node=-1) -> Tensor");
+  // no tensor to dispatch on: one kernel for every backend
+  m.def("amx_usable() -> bool", [] { return numatp_amx_usable() == 1; });
   m.def("socket_all_reduce(Tensor x, Tensor? after) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
@@ -569,6 +644,7 @@ TORCH_LIBRARY_IMPL(numatp, CompositeExplicitAutograd, m) {
   m.impl("linear", &linear);
   m.impl("linear_into", &linear_into);
   m.impl("mkl_pack", &mkl_pack);
+  m.impl("amx_pack", &amx_pack);
   m.impl("socket_all_reduce", &all_reduce);
   m.impl("decode_attention", &decode_attention);
 }

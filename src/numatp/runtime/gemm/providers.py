@@ -16,6 +16,11 @@ answers differ), so numatp measures them (:mod:`numatp.runtime.gemm.measurement`
 - ``mkl_packed_f32``: for bf16, the same in fp32 on an upcast packed weight (twice the bytes);
 - ``gemv``: numatp's own kernel for up to 16 rows (a decode step), on the weight as stored, in C++
   (``gemv.cpp``): it streams the weight once per call, where the others are built for many rows;
+- ``amx``: numatp's bf16 kernel on Intel AMX tiles (``amx.cpp``), any rows, on a weight packed once into
+  the tiles' layout by ``numatp::amx_pack`` (placed on its node like MKL's): a decode step's 1-16 rows
+  stream the packed weight at memory speed where ``gemv``'s dot products fall behind past one row, and a
+  prompt's rows run on the same operand (at 0.65-0.85x of oneDNN's packed GEMM, measured at 128-512
+  rows), so one copy serves both. On a CPU, build or kernel without AMX-BF16 it fails to prepare (measures 0);
 - ``inductor_cpp``: Inductor's C++ GEMM template (max_autotune's CPU kernel) compiled per weight, which
   it blocks and packs as a graph constant; compiling makes it slow to measure, so it runs only when
   ``GemmOptions.providers`` names it.
@@ -50,7 +55,8 @@ import torch
 from numatp.runtime.gemm import quant
 from numatp.runtime.gemm.quant import QuantFormat
 
-__all__ = ["GEMV_MAX_ROWS", "IN_PLACE", "NATIVE", "PROVIDERS", "GemmShape", "Provider", "call_into", "native_code"]
+__all__ = ["GEMV_MAX_ROWS", "IN_PLACE", "NATIVE", "PROVIDERS", "GemmShape", "Provider", "amx_usable", "call_into",
+           "native_code"]
 
 mkldnn = torch.ops.mkldnn
 
@@ -220,6 +226,22 @@ def _quant_call(name):
     return call
 
 
+def amx_usable() -> bool:
+    """Whether the ``amx`` provider runs here: numatp's library built with AMX-BF16 (a compiler and CPU
+    that have it) and a Linux kernel that grants the process the tiles."""
+    from numatp.runtime.native import load_ops
+    load_ops()
+    return bool(torch.ops.numatp.amx_usable())
+
+
+def _amx_pack(w_nk, m, node=None):
+    if not amx_usable():
+        raise RuntimeError("the amx provider needs AMX-BF16 tiles (Intel Xeon 4th generation and later, Linux "
+                           "5.16+), which this CPU, compiler or kernel does not give; leave it out of "
+                           "GemmOptions.providers")
+    return torch.ops.numatp.amx_pack(w_nk, -1 if node is None else node)
+
+
 def _upcast_pack(w_nk, m, node=None):
     return _mkl_pack(w_nk.float(), m, node)
 
@@ -301,6 +323,9 @@ PROVIDERS: dict[str, Provider] = {
     # numatp's kernel for decode steps: the plain weight, either layout, no copy
     "gemv": Provider("gemv", (torch.float32, torch.bfloat16), False, _gemv_prepare, _gemv_call,
                      max_rows=GEMV_MAX_ROWS, keeps_plain=("nk", "kn")),
+    # numatp's kernel on AMX tiles: bf16, a packed copy that replaces the plain weight, any rows
+    "amx": Provider("amx", (torch.bfloat16,), True, _amx_pack,
+                    lambda x, op, bias, n, k: torch.ops.numatp.linear(x, op, bias, NATIVE["amx"], n, k), places=True),
     # Inductor's own C++ GEMM template (what max_autotune picks from on CPU); one compile per weight
     # makes it the costliest to measure, so GemmOptions leaves it out unless asked for
     "inductor_cpp": Provider("inductor_cpp", (torch.float32, torch.bfloat16), True, _TemplateGemm,
@@ -320,7 +345,7 @@ PROVIDERS: dict[str, Provider] = {
 
 
 NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2, "gemv": 3, "qgemv": 5,
-          "qtile": 6, "q8_aten": 7}
+          "qtile": 6, "q8_aten": 7, "amx": 8}
 """Providers that ``numatp::linear`` (``ops.cpp``) runs in C++, by its provider code (:func:`native_code`):
 a segment calls them without leaving compiled code. The others (``inductor_cpp``) stay a cut of the program."""
 
