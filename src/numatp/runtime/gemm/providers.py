@@ -242,6 +242,10 @@ def _amx_pack(w_nk, m, node=None):
     return torch.ops.numatp.amx_pack(w_nk, -1 if node is None else node)
 
 
+def _amx_call(x, packed, bias, n, k):
+    return torch.ops.numatp.linear(x, packed, bias, NATIVE["amx"], n, k)
+
+
 def _upcast_pack(w_nk, m, node=None):
     return _mkl_pack(w_nk.float(), m, node)
 
@@ -324,8 +328,7 @@ PROVIDERS: dict[str, Provider] = {
     "gemv": Provider("gemv", (torch.float32, torch.bfloat16), False, _gemv_prepare, _gemv_call,
                      max_rows=GEMV_MAX_ROWS, keeps_plain=("nk", "kn")),
     # numatp's kernel on AMX tiles: bf16, a packed copy that replaces the plain weight, any rows
-    "amx": Provider("amx", (torch.bfloat16,), True, _amx_pack,
-                    lambda x, op, bias, n, k: torch.ops.numatp.linear(x, op, bias, NATIVE["amx"], n, k), places=True),
+    "amx": Provider("amx", (torch.bfloat16,), True, _amx_pack, _amx_call, places=True),
     # Inductor's own C++ GEMM template (what max_autotune picks from on CPU); one compile per weight
     # makes it the costliest to measure, so GemmOptions leaves it out unless asked for
     "inductor_cpp": Provider("inductor_cpp", (torch.float32, torch.bfloat16), True, _TemplateGemm,
