@@ -21,8 +21,9 @@
 //
 // Up to 16 rows (a decode step), x is one tile and each chunk's tiles of a group meet it in turn, four sums
 // in tiles. More rows (a prompt): x padded with zero rows to tiles of 16, taken two at a time against two
-// blocks at a time (four sums: each tile loaded serves two products), the group's tiles coming from cache
-// after the first pair of row tiles (a group is 64 channels x K x 2 bytes).
+// blocks at a time (four sums: each tile loaded serves two products), K in slabs of 4 chunks so that a
+// slab's tiles of x serve both pairs of blocks from L1 (the sums wait in memory between slabs); the group's
+// tiles come from cache after the first pair of row tiles (a group is 64 channels x K x 2 bytes).
 //
 // No torch headers: plain pointers in and out (ops.cpp checks the tensors and keeps the packed buffer).
 

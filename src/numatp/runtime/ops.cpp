@@ -99,6 +99,14 @@ at::Tensor mapped_on_node(at::IntArrayRef sizes, const at::TensorOptions& option
   return at::from_blob(p, sizes, [length](void* q) { munmap(q, length); }, options);
 }
 
+// A bias of N elements as a contiguous (N) vector in x's dtype, for the kernels that take plain pointers
+std::optional<at::Tensor> bias_as(const std::optional<at::Tensor>& bias, const at::Tensor& x, int64_t n,
+                                  const char* who) {
+  if (!bias.has_value()) return std::nullopt;
+  TORCH_CHECK(bias->numel() == n, who, ": the bias has ", bias->numel(), " elements, the output ", n, " columns");
+  return bias->to(x.scalar_type()).reshape({n}).contiguous();
+}
+
 at::Tensor onednn(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -242,11 +250,7 @@ at::Tensor amx(const at::Tensor& x, const at::Tensor& packed, const std::optiona
               ")");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, who, ": x must be bfloat16, got ", x.scalar_type());
   const int64_t m = x.size(0);
-  std::optional<at::Tensor> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, who, ": the bias has ", bias->numel(), " elements, the output ", n, " columns");
-    b = bias->to(at::kBFloat16).reshape({n}).contiguous();
-  }
+  const auto b = bias_as(bias, x, n, who);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m > 0 && n > 0) {
@@ -272,12 +276,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "numatp gemv: float32 or bfloat16, x and weight alike; got ", x.scalar_type(), " and ",
               w.scalar_type());
-  std::optional<at::Tensor> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n, "numatp gemv: the bias has ", bias->numel(), " elements, the output ", n,
-                " columns");
-    b = bias->to(x.scalar_type()).contiguous();
-  }
+  const auto b = bias_as(bias, x, n, "numatp gemv");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();   // as stored: a copy only for a weight that is a strided view
   at::Tensor y = at::empty({m, n}, x.options());
@@ -387,13 +386,6 @@ QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
 void check_x(const at::Tensor& x, const char* who) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, who,
               ": activations are float32 or bfloat16 over a quantized weight, got ", x.scalar_type());
-}
-
-std::optional<at::Tensor> bias_as(const std::optional<at::Tensor>& bias, const at::Tensor& x, int64_t n,
-                                  const char* who) {
-  if (!bias.has_value()) return std::nullopt;
-  TORCH_CHECK(bias->numel() == n, who, ": the bias has ", bias->numel(), " elements, the output ", n, " columns");
-  return bias->to(x.scalar_type()).reshape({n}).contiguous();
 }
 
 // quant.cpp's GEMV: up to 16 rows, the weight streamed once
