@@ -48,6 +48,8 @@ def _runs_here(provider: str, dtype: torch.dtype) -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if provider == "amx":   # bf16 only, on a CPU whose flags name AMX's tiles and their bf16 products
         return dtype == torch.bfloat16 and {"amx_tile", "amx_bf16"} <= _cpu_flags()
+    if provider == "dpbf16":   # bf16 only, on a CPU whose flags name AVX512-BF16
+        return dtype == torch.bfloat16 and "avx512_bf16" in _cpu_flags()
     return True
 
 
@@ -83,8 +85,9 @@ def _run(family, dtype, sockets, options, seqs=(16,), mode="eager"):
 
 ALL_CASES = [(torch.float32, "onednn"), (torch.float32, "onednn_packed"), (torch.float32, "mkl_packed"),
              (torch.bfloat16, "onednn"), (torch.bfloat16, "onednn_packed"), (torch.bfloat16, "mkl_packed_f32"),
-             (torch.bfloat16, "amx"), (torch.float32, "amx")]
-# only what this CPU runs (oneDNN bf16 needs AVX-512 or AVX-NE-CONVERT, amx AMX-BF16); the rest is checked below
+             (torch.bfloat16, "amx"), (torch.float32, "amx"), (torch.bfloat16, "dpbf16"), (torch.float32, "dpbf16")]
+# only what this CPU runs (oneDNN bf16 needs AVX-512 or AVX-NE-CONVERT, amx AMX-BF16, dpbf16 AVX512-BF16); the
+# rest is checked below
 CASES = [(d, p) for d, p in ALL_CASES if _runs_here(p, d)]
 
 
@@ -98,8 +101,8 @@ def _one_family_per_dtype(dtype: torch.dtype, family: str) -> tuple:
 def test_provider_runs_exactly_where_the_cpu_has_its_kernels(dtype, provider):
     """A provider this CPU cannot run measures 0 GFLOP/s, so a measured choice never picks it; one it can
     run measures a rate. Which is which comes from ATen's own CPU check, not from measuring: oneDNN's
-    bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; amx (bf16 only) AMX-BF16 tiles, as the CPU's
-    flags list them; the fp32 providers and the fp32 MKL path of bf16 run on every x86-64 CPU torch
+    bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; amx (bf16 only) AMX-BF16 tiles and dpbf16
+    (bf16 only) AVX512-BF16, as the CPU's flags list them; the fp32 providers and the fp32 MKL path of bf16 run on every x86-64 CPU torch
     supports."""
     runs = _runs_here(provider, dtype)
     rate = measure(PROVIDERS[provider], GemmShape(32, 64, 64, str(dtype)[6:], "nk", 1), min_seconds=0,
@@ -128,7 +131,9 @@ def test_forced_provider_equals_eager(family, dtype, provider, tmp_path):
     pytest.param("gpt2", torch.float32, "onednn_packed", 1, marks=pytest.mark.slow),
     ("llama", torch.bfloat16, "mkl_packed_f32", 2),
     pytest.param("gpt2", torch.bfloat16, "amx", 2, marks=pytest.mark.skipif(
-        not _runs_here("amx", torch.bfloat16), reason="this CPU has no AMX-BF16 tiles"))])
+        not _runs_here("amx", torch.bfloat16), reason="this CPU has no AMX-BF16 tiles")),
+    pytest.param("gpt2", torch.bfloat16, "dpbf16", 2, marks=pytest.mark.skipif(
+        not _runs_here("dpbf16", torch.bfloat16), reason="this CPU has no AVX512-BF16"))])
 def test_forced_provider_under_inductor(family, dtype, provider, sockets, tmp_path):
     assert _measures_a_rate(provider, dtype), f"{provider} is expected to run {dtype} here"
     backend = _run(family, dtype, sockets, GemmOptions(force=provider, cache_dir=str(tmp_path)), mode="inductor")
@@ -238,15 +243,24 @@ def test_gemv_takes_at_most_16_rows():
     assert measure(PROVIDERS["gemv"], GemmShape(16, 8, 4, "float32", "nk", 1), min_seconds=0, max_calls=2) > 0
 
 
-@pytest.mark.skipif(not _runs_here("amx", torch.bfloat16), reason="this CPU has no AMX-BF16 tiles")
-def test_amx_equals_a_float64_matmul_for_any_rows():
-    """numatp's AMX kernel on a packed weight, both layouts packed from the weight as stored, with and
-    without bias: a decode step's 1-16 rows (one tile of x, four blocks of channels at once), a prompt's
-    rows past 16 (tiles of 16 rows two at a time, the last one partly zero), and sizes around its tiles
-    (16 channels, 32 k values, groups of 64 channels; the edges padded with zeros)."""
-    p = PROVIDERS["amx"]
+_TILE_LAYOUT = [pytest.param("amx", marks=pytest.mark.skipif(not _runs_here("amx", torch.bfloat16),
+                                                            reason="this CPU has no AMX-BF16 tiles")),
+                pytest.param("dpbf16", marks=pytest.mark.skipif(not _runs_here("dpbf16", torch.bfloat16),
+                                                               reason="this CPU has no AVX512-BF16"))]
+_PACK_OP = {"amx": "amx_pack", "dpbf16": "dot_pack"}
+
+
+@pytest.mark.parametrize("provider", _TILE_LAYOUT)
+def test_tile_layout_providers_equal_a_float64_matmul_for_any_rows(provider):
+    """numatp's AMX kernel and its AVX512-BF16 dot-product kernel on a weight packed into the tiles'
+    layout, both layouts packed from the weight as stored, with and without bias: a decode step's 1-16
+    rows (amx: one tile of x, four blocks of channels at once; dpbf16: 8, 4, 2 and 1 rows at a time), a
+    prompt's rows past 16 (amx: tiles of 16 rows two at a time, the last one partly zero; dpbf16: 6 rows
+    at a time, then the rest), and sizes around the layout (16 channels, 32 k values, groups of 64
+    channels; the edges padded with zeros)."""
+    p = PROVIDERS[provider]
     g = torch.Generator().manual_seed(2)
-    for m in (1, 2, 7, 8, 15, 16, 17, 32, 33, 50):
+    for m in (1, 2, 3, 7, 8, 9, 15, 16, 17, 32, 33, 50):
         for k, n in ((1, 1), (31, 17), (32, 16), (33, 65), (100, 130), (64, 200)):
             for layout in ("nk", "kn"):
                 x = torch.randn(m, k, generator=g).bfloat16()
@@ -257,23 +271,24 @@ def test_amx_equals_a_float64_matmul_for_any_rows():
                 for b in (torch.randn(n, generator=g).bfloat16(), None):
                     y = p.call(x, op, b, n, k)
                     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-                    _assert_is_the_matmul(y, x, w, b, f"amx m={m} k={k} n={n} {layout}")
+                    _assert_is_the_matmul(y, x, w, b, f"{provider} m={m} k={k} n={n} {layout}")
 
 
-@pytest.mark.skipif(not _runs_here("amx", torch.bfloat16), reason="this CPU has no AMX-BF16 tiles")
-def test_amx_refuses_what_it_cannot_run():
+@pytest.mark.parametrize("provider", _TILE_LAYOUT)
+def test_tile_layout_providers_refuse_what_they_cannot_run(provider):
     """A float32 weight or x, a packed weight called for another shape and a buffer that is not a packed
     weight are refused with the rule named, not computed."""
     load_ops()
-    code = gemm_mod.native_code("amx", "nk")
+    code = gemm_mod.native_code(provider, "nk")
+    pack = getattr(torch.ops.numatp, _PACK_OP[provider])
     with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.numatp.amx_pack(torch.randn(4, 8), -1)
-    packed = torch.ops.numatp.amx_pack(torch.randn(4, 8).bfloat16(), -1)
+        pack(torch.randn(4, 8), -1)
+    packed = pack(torch.randn(4, 8).bfloat16(), -1)
     with pytest.raises(RuntimeError, match=r"packed as \(N, K\) = \(4, 8\)"):
         torch.ops.numatp.linear(torch.randn(2, 16).bfloat16(), packed, None, code, 4, 16)
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
         torch.ops.numatp.linear(torch.randn(2, 8), packed, None, code, 4, 8)
-    with pytest.raises(RuntimeError, match="amx_pack's buffer"):
+    with pytest.raises(RuntimeError, match="amx_pack or numatp::dot_pack"):
         torch.ops.numatp.linear(torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), None, code, 4, 8)
 
 
@@ -295,11 +310,16 @@ def test_amx_and_onednn_take_turns_on_one_thread():
 
 def test_amx_usable_agrees_with_the_cpu_flags():
     """Where the CPU lists AMX-BF16 the library has the kernel (it is built for this CPU) and Linux grants
-    the tiles; elsewhere the provider fails to prepare with the way out named (and so measures 0)."""
+    the tiles; elsewhere the provider fails to prepare with the way out named (and so measures 0). The
+    same for dpbf16 and AVX512-BF16."""
     assert gemm_mod.amx_usable() == _runs_here("amx", torch.bfloat16)
     if not gemm_mod.amx_usable():
         with pytest.raises(RuntimeError, match="leave it out of GemmOptions.providers"):
             PROVIDERS["amx"].prepare(torch.randn(4, 8).bfloat16(), 1)
+    assert gemm_mod.dot_usable() == _runs_here("dpbf16", torch.bfloat16)
+    if not gemm_mod.dot_usable():
+        with pytest.raises(RuntimeError, match="leave it out of GemmOptions.providers"):
+            PROVIDERS["dpbf16"].prepare(torch.randn(4, 8).bfloat16(), 1)
 
 
 def _check_forced(backend, provider):

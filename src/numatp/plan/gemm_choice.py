@@ -27,8 +27,8 @@ __all__ = ["DEFAULT_PROVIDERS", "Decode", "GemmChoice", "GemmOptions", "Prior", 
            "measured_seconds"]
 
 
-DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32", "gemv", "amx", "qgemv",
-                     "qtile", "q8_aten", "q_dequant")
+DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32", "gemv", "amx", "dpbf16",
+                     "qgemv", "qtile", "q8_aten", "q_dequant")
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -49,6 +51,7 @@ constexpr std::int64_t kChunk = 32;    // k values per tile
 constexpr std::int64_t kGroup = 4;     // blocks per group
 constexpr std::int64_t kTile = kBlock * kChunk;   // bf16 values per weight tile (1 KiB)
 constexpr std::int64_t kRows = 16;     // rows of x per tile
+constexpr std::int64_t kDotAheadBytes = 4096;   // dpbf16 fetches the weight this far ahead of its loads
 
 inline std::int64_t padded_k(std::int64_t k) { return (k + kChunk - 1) / kChunk * kChunk; }
 inline std::int64_t blocks(std::int64_t n) { return (n + kBlock - 1) / kBlock; }
@@ -73,6 +76,134 @@ void pack(const u16* w, std::int64_t n, std::int64_t k, std::int64_t sn, std::in
     }
   });
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+
+constexpr bool kDotBuilt = true;
+
+// rows [r0, r0 + rows) x block b's channels of the sums (rows 16 floats apart) into y, bias added, rounded
+// once (to nearest, ties to even, as float_to_bf16)
+inline void put(const float* sums, std::int64_t r0, std::int64_t rows, std::int64_t b, std::int64_t n,
+                const u16* bias, u16* y) {
+  const std::int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1u);
+  const __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16))
+                          : _mm512_setzero_ps();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + r * 16), add));
+    _mm256_mask_storeu_epi16(y + (r0 + r) * n + n0, keep, reinterpret_cast<const __m256i&>(v));
+  }
+}
+
+// dpbf16: a decode step's rows by a group's NB blocks with AVX512-BF16 dot products (no tiles). A tile row
+// of the layout (16 channels x a pair of k) is the operand VDPBF16PS takes against one pair of x broadcast,
+// so MR rows x NB blocks of sums stay in registers (8 x 4: 32 of them) while the group streams by once.
+// Sums into c as decode_group leaves them (block b's row r at c + b * 256 + r * 16).
+template <int MR, int NB>
+void dot_group(const u16* wg, const u16* x, std::int64_t kp, float* c) {
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
+  for (std::int64_t ch = 0; ch < kp / kChunk; ++ch) {
+    const u16* t = wg + ch * NB * kTile;
+    numatp_vec::ahead(reinterpret_cast<const char*>(t) + kDotAheadBytes, NB * kTile * 2);
+    for (int b = 0; b < NB; ++b)
+      for (int r = 0; r < kChunk / 2; ++r) {
+        const __m512bh w = (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock);
+        for (int i = 0; i < MR; ++i) {
+          std::uint32_t pair;
+          std::memcpy(&pair, x + i * kp + ch * kChunk + 2 * r, 4);
+          acc[i][b] = _mm512_dpbf16_ps(acc[i][b], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), w);
+        }
+      }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int b = 0; b < NB; ++b) _mm512_store_ps(c + b * 256 + i * 16, acc[i][b]);
+}
+
+// a prompt's rows: each chunk's k pairs in turn, the NB blocks' weight rows loaded once and each broadcast
+// pair of x used for all NB blocks (6 rows x 4 blocks: 24 sums, 4 weight rows and the broadcast in registers)
+template <int MR, int NB>
+void dot_group_wide(const u16* wg, const u16* x, std::int64_t kp, float* c) {
+  __m512 acc[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
+  for (std::int64_t ch = 0; ch < kp / kChunk; ++ch) {
+    const u16* t = wg + ch * NB * kTile;
+    for (int r = 0; r < kChunk / 2; ++r) {
+      __m512bh w[NB];
+      for (int b = 0; b < NB; ++b) w[b] = (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock);
+      for (int i = 0; i < MR; ++i) {
+        std::uint32_t pair;
+        std::memcpy(&pair, x + i * kp + ch * kChunk + 2 * r, 4);
+        const __m512bh bc = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], bc, w[b]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int b = 0; b < NB; ++b) _mm512_store_ps(c + b * 256 + i * 16, acc[i][b]);
+}
+
+template <int MR>
+void dot_rows_wide(const u16* wg, std::int64_t in_group, const u16* x, std::int64_t kp, float* c) {
+  switch (in_group) {
+    case 1: dot_group_wide<MR, 1>(wg, x, kp, c); break;
+    case 2: dot_group_wide<MR, 2>(wg, x, kp, c); break;
+    case 3: dot_group_wide<MR, 3>(wg, x, kp, c); break;
+    default: dot_group_wide<MR, 4>(wg, x, kp, c); break;
+  }
+}
+
+template <int MR>
+void dot_rows(const u16* wg, std::int64_t in_group, const u16* x, std::int64_t kp, float* c) {
+  switch (in_group) {
+    case 1: dot_group<MR, 1>(wg, x, kp, c); break;
+    case 2: dot_group<MR, 2>(wg, x, kp, c); break;
+    case 3: dot_group<MR, 3>(wg, x, kp, c); break;
+    default: dot_group<MR, 4>(wg, x, kp, c); break;
+  }
+}
+
+void dot_linear(const u16* packed, std::int64_t n, std::int64_t k, const u16* x, std::int64_t m, const u16* bias,
+                u16* y) {
+  const std::int64_t kp = padded_k(k), nb = blocks(n), groups = (nb + kGroup - 1) / kGroup;
+  std::vector<u16> xp(static_cast<std::size_t>(m * kp), u16(0));   // x, zero past K
+  for (std::int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * kp, x + r * k, static_cast<std::size_t>(k) * 2);
+  numatp_vec::parallel(groups, 1, [&](std::int64_t g0, std::int64_t g1) {
+    alignas(64) float c[kGroup * 256];
+    for (std::int64_t g = g0; g < g1; ++g) {
+      const std::int64_t b0 = g * kGroup, in_group = std::min(kGroup, nb - b0);
+      const u16* wg = packed + b0 * kBlock * kp;
+      // rows 8 at a time (then 4, 2, 1): past the first 8 the group comes from L2 (64 channels x K x 2 bytes)
+      for (std::int64_t r0 = 0; r0 < m;) {
+        const std::int64_t left = m - r0;
+        const u16* xr = xp.data() + r0 * kp;
+        if (m > 16 && left >= 6) {   // a prompt: from L2 after the first pass
+          dot_rows_wide<6>(wg, in_group, xr, kp, c);
+          for (std::int64_t b = 0; b < in_group; ++b) put(c + b * 256, r0, 6, b0 + b, n, bias, y);
+          r0 += 6;
+          continue;
+        }
+        const std::int64_t mr = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        if (mr == 8) dot_rows<8>(wg, in_group, xr, kp, c);
+        else if (mr == 4) dot_rows<4>(wg, in_group, xr, kp, c);
+        else if (mr == 2) dot_rows<2>(wg, in_group, xr, kp, c);
+        else dot_rows<1>(wg, in_group, xr, kp, c);
+        for (std::int64_t b = 0; b < in_group; ++b) put(c + b * 256, r0, mr, b0 + b, n, bias, y);
+        r0 += mr;
+      }
+    }
+  });
+}
+
+#else
+
+constexpr bool kDotBuilt = false;
+void dot_linear(const u16*, std::int64_t, std::int64_t, const u16*, std::int64_t, const u16*, u16*) {}
+
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
 
@@ -175,21 +306,6 @@ void prompt_tiles(const u16* wg, std::int64_t in_group, std::int64_t b, const u1
   if constexpr (RT > 1 && NB > 1) _tile_stored(7, c + 768, 64);
 }
 
-// rows [r0, r0 + rows) x block b's channels of the sums (rows 16 floats apart) into y, bias added, rounded
-// once (to nearest, ties to even, as float_to_bf16)
-inline void put(const float* sums, std::int64_t r0, std::int64_t rows, std::int64_t b, std::int64_t n,
-                const u16* bias, u16* y) {
-  const std::int64_t n0 = b * kBlock, cols = std::min(kBlock, n - n0);
-  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1u);
-  const __m512 add = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias + n0)), 16))
-                          : _mm512_setzero_ps();
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums + r * 16), add));
-    _mm256_mask_storeu_epi16(y + (r0 + r) * n + n0, keep, reinterpret_cast<const __m256i&>(v));
-  }
-}
-
 void linear(const u16* packed, std::int64_t n, std::int64_t k, const u16* x, std::int64_t m, const u16* bias,
             u16* y) {
   const std::int64_t kp = padded_k(k), nb = blocks(n), groups = (nb + kGroup - 1) / kGroup;
@@ -257,6 +373,17 @@ extern "C" {
 // 1 where this build has the kernel (a compiler and CPU with AMX-BF16) and Linux lets the process use the
 // tiles, else 0
 int numatp_amx_usable() { return amx_kernels::kBuilt && amx_kernels::permitted() ? 1 : 0; }
+
+// 1 where this build has the dpbf16 kernel (AVX512-BF16: the library is built for the CPU it runs on)
+int numatp_dot_usable() { return amx_kernels::kDotBuilt ? 1 : 0; }
+
+// y (M, N) = x (M, K) @ W^T (+ bias) on W packed by numatp_amx_pack, with AVX512-BF16 dot products (no
+// tiles; meant for a decode step's few rows); as numatp_amx_linear otherwise. Call only where
+// numatp_dot_usable() is 1.
+void numatp_dot_linear(const std::uint16_t* packed, std::int64_t n, std::int64_t k, const std::uint16_t* x,
+                       std::int64_t m, const std::uint16_t* bias, std::uint16_t* y) {
+  amx_kernels::dot_linear(packed, n, k, x, m, bias, y);
+}
 
 // bf16 values of W (N, K) packed
 std::int64_t numatp_amx_packed_size(std::int64_t n, std::int64_t k) {

@@ -8,6 +8,7 @@
 //   numatp::linear_into the same, written into given columns of a wider tensor (a gathered LM head);
 //   numatp::mkl_pack    MKL's packed copy of a weight, for the mkl_packed providers;
 //   numatp::amx_pack    a bf16 weight packed into AMX tiles (amx.cpp), for the amx provider;
+//   numatp::dot_pack    the same layout for the dpbf16 provider (AVX512-BF16 dot products, no tiles);
 //   numatp::socket_all_reduce  the sockets' reduction (collective.cpp, built into the same library).
 
 // Only the headers used (Tensor's methods, the few functions called, the dispatcher), not ATen/ATen.h's
@@ -55,6 +56,9 @@ void numatp_amx_pack(const std::uint16_t* w, std::int64_t n, std::int64_t k, std
                      std::uint16_t* out);
 void numatp_amx_linear(const std::uint16_t* packed, std::int64_t n, std::int64_t k, const std::uint16_t* x,
                        std::int64_t m, const std::uint16_t* bias, std::uint16_t* y);
+int numatp_dot_usable();
+void numatp_dot_linear(const std::uint16_t* packed, std::int64_t n, std::int64_t k, const std::uint16_t* x,
+                       std::int64_t m, const std::uint16_t* bias, std::uint16_t* y);
 // attention.cpp: a decode step's single-query attention over the cache
 void numatp_decode_attention(const void* q, const void* k, const void* v, const void* mask, void* out, int is_bf16,
                              const std::int64_t* sizes, const std::int64_t* strides, float scale);
@@ -71,6 +75,8 @@ constexpr int64_t kQgemv = 5;       // quant.cpp's GEMV on a quantized buffer (i
 constexpr int64_t kQtile = 6;       // dequantize-per-tile GEMM on a quantized buffer, any rows
 constexpr int64_t kQ8Aten = 7;      // ATen's _weight_int8pack_mm on views into an int8 buffer
 constexpr int64_t kAmx = 8;         // amx.cpp's tiles on a weight packed by numatp::amx_pack (bf16)
+constexpr int64_t kDot = 9;         // amx.cpp's AVX512-BF16 dot products on the same layout (numatp::dot_pack)
+constexpr int64_t kGemvMaxRows = 16;   // numatp.runtime.gemm.GEMV_MAX_ROWS: a decode step's rows
 
 // A new tensor of its own pages, bound to `node` before the first touch (mmap + mbind): a worker's
 // allocator may recycle pages of another node, and a page never written (as MKL's packing leaves part of
@@ -204,9 +210,11 @@ at::Tensor mkl(const at::Tensor& x, const at::Tensor& packed, const std::optiona
   return y;
 }
 
-// ---- the amx provider: bf16 weights packed into AMX tiles (amx.cpp) ----
+// ---- the amx and dpbf16 providers: bf16 weights packed into AMX tiles' layout (amx.cpp) ----
 //
 // A packed weight is a 1-D bfloat16 tensor: a 64-byte header (N and K as int64, then zeros) and the tiles.
+// The amx provider multiplies it on the tiles; dpbf16 with AVX512-BF16 dot products (a tile row is the
+// operand VDPBF16PS takes), on CPUs without AMX.
 constexpr int64_t kAmxHeader = 32;   // bf16 values
 
 void require_amx(const char* who) {
@@ -215,16 +223,20 @@ void require_amx(const char* who) {
               "GemmOptions.providers");
 }
 
+void require_dot(const char* who) {
+  TORCH_CHECK(numatp_dot_usable() == 1, who, ": this CPU has no AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids "
+              "and later, AMD Zen 4 and later), so the dpbf16 provider cannot run; leave it out of "
+              "GemmOptions.providers");
+}
+
 // W (N, K) bf16, any strides (a (K, N) weight's transposed view is read as it lies); node >= 0: the buffer's
 // pages are bound to that node (a real topology's socket), else torch's allocator
-at::Tensor amx_pack(const at::Tensor& w, int64_t node) {
-  require_amx("numatp::amx_pack");
+at::Tensor tile_pack(const at::Tensor& w, int64_t node, const char* who) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16,
-              "numatp::amx_pack: the weight must be a 2-D (N, K) bfloat16 tensor, got ", w.scalar_type(), " ",
-              w.sizes());
+              who, ": the weight must be a 2-D (N, K) bfloat16 tensor, got ", w.scalar_type(), " ", w.sizes());
   const int64_t n = w.size(0), k = w.size(1);
   const int64_t numel = kAmxHeader + numatp_amx_packed_size(n, k);
-  at::Tensor out = node >= 0 ? mapped_on_node({numel}, w.options(), static_cast<int>(node), "numatp::amx_pack")
+  at::Tensor out = node >= 0 ? mapped_on_node({numel}, w.options(), static_cast<int>(node), who)
                              : at::empty({numel}, w.options());
   auto* bits = static_cast<std::uint16_t*>(out.mutable_data_ptr());
   std::memset(bits, 0, kAmxHeader * 2);
@@ -236,13 +248,25 @@ at::Tensor amx_pack(const at::Tensor& w, int64_t node) {
   return out;
 }
 
-at::Tensor amx(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
-               int64_t k) {
-  const char* who = "numatp amx";
-  require_amx(who);
+at::Tensor amx_pack(const at::Tensor& w, int64_t node) {
+  require_amx("numatp::amx_pack");
+  return tile_pack(w, node, "numatp::amx_pack");
+}
+
+at::Tensor dot_pack(const at::Tensor& w, int64_t node) {
+  require_dot("numatp::dot_pack");
+  return tile_pack(w, node, "numatp::dot_pack");
+}
+
+using TileLinear = void (*)(const std::uint16_t*, std::int64_t, std::int64_t, const std::uint16_t*, std::int64_t,
+                            const std::uint16_t*, std::uint16_t*);
+
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       int64_t n, int64_t k, const char* who, TileLinear kernel) {
   TORCH_CHECK(packed.dim() == 1 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.numel() >= kAmxHeader,
-              who, ": the weight must be numatp::amx_pack's buffer, got ", packed.scalar_type(), " ", packed.sizes());
+              who, ": the weight must be a buffer of numatp::amx_pack or numatp::dot_pack, got ", packed.scalar_type(),
+              " ", packed.sizes());
   const auto* bits = static_cast<const std::uint16_t*>(packed.const_data_ptr());
   const auto* head = reinterpret_cast<const int64_t*>(bits);
   TORCH_CHECK(head[0] == n && head[1] == k && packed.numel() == kAmxHeader + numatp_amx_packed_size(n, k), who,
@@ -254,14 +278,25 @@ at::Tensor amx(const at::Tensor& x, const at::Tensor& packed, const std::optiona
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m > 0 && n > 0) {
-    numatp_amx_linear(bits + kAmxHeader, n, k, static_cast<const std::uint16_t*>(xc.const_data_ptr()), m,
-                      b ? static_cast<const std::uint16_t*>(b->const_data_ptr()) : nullptr,
-                      static_cast<std::uint16_t*>(y.mutable_data_ptr()));
+    kernel(bits + kAmxHeader, n, k, static_cast<const std::uint16_t*>(xc.const_data_ptr()), m,
+           b ? static_cast<const std::uint16_t*>(b->const_data_ptr()) : nullptr,
+           static_cast<std::uint16_t*>(y.mutable_data_ptr()));
   }
   return y;
 }
 
-constexpr int64_t kGemvMaxRows = 16;   // numatp.runtime.gemm.GEMV_MAX_ROWS: a decode step's rows
+at::Tensor amx(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
+               int64_t k) {
+  require_amx("numatp amx");
+  return tile_linear(x, packed, bias, n, k, "numatp amx", &numatp_amx_linear);
+}
+
+at::Tensor dot(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias, int64_t n,
+               int64_t k) {
+  require_dot("numatp dpbf16");
+  return tile_linear(x, packed, bias, n, k, "numatp dpbf16", &numatp_dot_linear);
+}
+
 
 // numatp's GEMV: a few rows against the weight as the model stores it, (N, K) or (K, N) (kn)
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool kn) {
@@ -499,6 +534,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
       return q8_aten(x, w, bias, n, k);
     case kAmx:
       return amx(x, w, bias, n, k);
+    case kDot:
+      return dot(x, w, bias, n, k);
     default:
       TORCH_CHECK(false, "numatp::linear: unknown provider code ", provider);
   }
@@ -627,6 +664,8 @@ TORCH_LIBRARY_FRAGMENT(numatp, m) {
   m.def("amx_pack(Tensor w, int node=-1) -> Tensor");
   // no tensor to dispatch on: one kernel for every backend
   m.def("amx_usable() -> bool", [] { return numatp_amx_usable() == 1; });
+  m.def("dot_pack(Tensor w, int node=-1) -> Tensor");
+  m.def("dot_usable() -> bool", [] { return numatp_dot_usable() == 1; });
   m.def("socket_all_reduce(Tensor x, Tensor? after) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
@@ -637,6 +676,7 @@ TORCH_LIBRARY_IMPL(numatp, CompositeExplicitAutograd, m) {
   m.impl("linear_into", &linear_into);
   m.impl("mkl_pack", &mkl_pack);
   m.impl("amx_pack", &amx_pack);
+  m.impl("dot_pack", &dot_pack);
   m.impl("socket_all_reduce", &all_reduce);
   m.impl("decode_attention", &decode_attention);
 }

@@ -21,7 +21,7 @@ from numatp.runtime.gemm.measurement import (CEILING_SHAPE, STREAM_MAX_BYTES, de
                                          measure_ceilings, measure_missing, streamed_copies, streams)
 from numatp.runtime.gemm.op import GEMM_OP, GemmStep, PackInfo, PreparedOperands, gemm, stand_in
 from numatp.runtime.gemm.providers import (GEMV_MAX_ROWS, IN_PLACE, NATIVE, PROVIDERS, GemmShape, Provider,
-                                           amx_usable, call_into, native_code)
+                                           amx_usable, call_into, dot_usable, native_code)
 from numatp.runtime.gemm.table import (TABLE_FORMAT, GemmTable, ceiling_table, ceilings, default_cache_dir,
                                        is_rate, usable_rates)
 from numatp.topology.resources import MachineFacts, cpu_signature
@@ -29,5 +29,5 @@ from numatp.topology.resources import MachineFacts, cpu_signature
 __all__ = ["CEILING_SHAPE", "GEMM_OP", "GEMV_MAX_ROWS", "IN_PLACE", "NATIVE", "PROVIDERS", "STREAM_MAX_BYTES",
            "TABLE_FORMAT", "GemmShape", "GemmStep", "GemmTable", "MachineFacts", "PackInfo", "PreparedOperands",
            "Provider", "amx_usable", "call_into", "ceiling_table", "ceilings", "cpu_signature", "decode_shape",
-           "default_cache_dir", "gemm", "is_rate", "measure", "measure_all", "measure_ceilings", "measure_missing",
-           "native_code", "stand_in", "streamed_copies", "streams", "usable_rates"]
+           "default_cache_dir", "dot_usable", "gemm", "is_rate", "measure", "measure_all", "measure_ceilings",
+           "measure_missing", "native_code", "stand_in", "streamed_copies", "streams", "usable_rates"]

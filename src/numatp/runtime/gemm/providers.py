@@ -21,6 +21,14 @@ answers differ), so numatp measures them (:mod:`numatp.runtime.gemm.measurement`
   stream the packed weight at memory speed where ``gemv``'s dot products fall behind past one row, and a
   prompt's rows run on the same operand (at 0.65-0.85x of oneDNN's packed GEMM, measured at 128-512
   rows), so one copy serves both. On a CPU, build or kernel without AMX-BF16 it fails to prepare (measures 0);
+- ``dpbf16``: the same packed layout read with AVX512-BF16 dot products (``amx.cpp``), any rows: a tile
+  row of 16 channels x a pair of k is VDPBF16PS's operand against a broadcast pair of x, so up to 8 rows x
+  64 channels of sums stay in registers while the weight streams by once (a prompt's rows go 6 at a time,
+  each weight row loaded once for 4 blocks); for CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and later,
+  Intel Cooper Lake). Measured, one thread of a Zen 5 EPYC, gpt2-medium's 2-socket bf16 shards streamed
+  from memory: 31-37 GB/s of weight at 1 row and 28 at 8, where ``gemv`` read 23-26 and 14-15 and
+  ``onednn_packed`` 20-30 and 17-21; prompts of 32-512 rows as fast as ``onednn_packed`` (365-457 GFLOP/s),
+  so one copy serves both. Without AVX512-BF16 it fails to prepare (measures 0);
 - ``inductor_cpp``: Inductor's C++ GEMM template (max_autotune's CPU kernel) compiled per weight, which
   it blocks and packs as a graph constant; compiling makes it slow to measure, so it runs only when
   ``GemmOptions.providers`` names it.
@@ -56,7 +64,7 @@ from numatp.runtime.gemm import quant
 from numatp.runtime.gemm.quant import QuantFormat
 
 __all__ = ["GEMV_MAX_ROWS", "IN_PLACE", "NATIVE", "PROVIDERS", "GemmShape", "Provider", "amx_usable", "call_into",
-           "native_code"]
+           "dot_usable", "native_code"]
 
 mkldnn = torch.ops.mkldnn
 
@@ -246,6 +254,24 @@ def _amx_call(x, packed, bias, n, k):
     return torch.ops.numatp.linear(x, packed, bias, NATIVE["amx"], n, k)
 
 
+def dot_usable() -> bool:
+    """Whether the ``dpbf16`` provider runs here: numatp's library built for a CPU with AVX512-BF16."""
+    from numatp.runtime.native import load_ops
+    load_ops()
+    return bool(torch.ops.numatp.dot_usable())
+
+
+def _dot_pack(w_nk, m, node=None):
+    if not dot_usable():
+        raise RuntimeError("the dpbf16 provider needs AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids and later, "
+                           "AMD Zen 4 and later), which this CPU does not have; leave it out of GemmOptions.providers")
+    return torch.ops.numatp.dot_pack(w_nk, -1 if node is None else node)
+
+
+def _dot_call(x, packed, bias, n, k):
+    return torch.ops.numatp.linear(x, packed, bias, NATIVE["dpbf16"], n, k)
+
+
 def _upcast_pack(w_nk, m, node=None):
     return _mkl_pack(w_nk.float(), m, node)
 
@@ -329,6 +355,7 @@ PROVIDERS: dict[str, Provider] = {
                      max_rows=GEMV_MAX_ROWS, keeps_plain=("nk", "kn")),
     # numatp's kernel on AMX tiles: bf16, a packed copy that replaces the plain weight, any rows
     "amx": Provider("amx", (torch.bfloat16,), True, _amx_pack, _amx_call, places=True),
+    "dpbf16": Provider("dpbf16", (torch.bfloat16,), True, _dot_pack, _dot_call, places=True),
     # Inductor's own C++ GEMM template (what max_autotune picks from on CPU); one compile per weight
     # makes it the costliest to measure, so GemmOptions leaves it out unless asked for
     "inductor_cpp": Provider("inductor_cpp", (torch.float32, torch.bfloat16), True, _TemplateGemm,
@@ -348,7 +375,7 @@ PROVIDERS: dict[str, Provider] = {
 
 
 NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2, "gemv": 3, "qgemv": 5,
-          "qtile": 6, "q8_aten": 7, "amx": 8}
+          "qtile": 6, "q8_aten": 7, "amx": 8, "dpbf16": 9}
 """Providers that ``numatp::linear`` (``ops.cpp``) runs in C++, by its provider code (:func:`native_code`):
 a segment calls them without leaving compiled code. The others (``inductor_cpp``) stay a cut of the program."""
 
