@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -77,6 +78,17 @@ void pack(const u16* w, std::int64_t n, std::int64_t k, std::int64_t sn, std::in
   });
 }
 
+// f(std::integral_constant<int, NB>) for a group of in_group blocks (1-4): the kernels take NB as a constant
+template <typename F>
+void by_blocks(std::int64_t in_group, F&& f) {
+  switch (in_group) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 
 constexpr bool kDotBuilt = true;
@@ -96,74 +108,47 @@ inline void put(const float* sums, std::int64_t r0, std::int64_t rows, std::int6
   }
 }
 
-// dpbf16: a decode step's rows by a group's NB blocks with AVX512-BF16 dot products (no tiles). A tile row
-// of the layout (16 channels x a pair of k) is the operand VDPBF16PS takes against one pair of x broadcast,
-// so MR rows x NB blocks of sums stay in registers (8 x 4: 32 of them) while the group streams by once.
+// dpbf16: rows of x by a group's NB blocks with AVX512-BF16 dot products (no tiles). A tile row of the
+// layout (16 channels x a pair of k) is the operand VDPBF16PS takes against one pair of x broadcast, so MR
+// rows x NB blocks of sums stay in registers while the group goes by. A decode step's rows (kWide false,
+// 8 x 4: all 32 registers hold sums) take each weight row once per block, the group streamed from memory
+// and fetched ahead; a prompt's (kWide true, 6 x 4: 24 sums, 4 weight rows, the broadcast) load a k pair's
+// rows of all NB blocks at once and use each broadcast pair of x for all of them (the group from cache).
 // Sums into c as decode_group leaves them (block b's row r at c + b * 256 + r * 16).
-template <int MR, int NB>
+inline __m512bh x_pair(const u16* x, std::int64_t at) {
+  std::uint32_t pair;
+  std::memcpy(&pair, x + at, 4);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+}
+
+template <int MR, int NB, bool kWide>
 void dot_group(const u16* wg, const u16* x, std::int64_t kp, float* c) {
   __m512 acc[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
   for (std::int64_t ch = 0; ch < kp / kChunk; ++ch) {
     const u16* t = wg + ch * NB * kTile;
-    numatp_vec::ahead(reinterpret_cast<const char*>(t) + kDotAheadBytes, NB * kTile * 2);
-    for (int b = 0; b < NB; ++b)
-      for (int r = 0; r < kChunk / 2; ++r) {
-        const __m512bh w = (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock);
-        for (int i = 0; i < MR; ++i) {
-          std::uint32_t pair;
-          std::memcpy(&pair, x + i * kp + ch * kChunk + 2 * r, 4);
-          acc[i][b] = _mm512_dpbf16_ps(acc[i][b], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), w);
+    if constexpr (!kWide) {
+      numatp_vec::ahead(reinterpret_cast<const char*>(t) + kDotAheadBytes, NB * kTile * 2);
+      for (int b = 0; b < NB; ++b)
+        for (int r = 0; r < kChunk / 2; ++r) {
+          const __m512bh w = (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock);
+          for (int i = 0; i < MR; ++i)
+            acc[i][b] = _mm512_dpbf16_ps(acc[i][b], x_pair(x, i * kp + ch * kChunk + 2 * r), w);
         }
-      }
-  }
-  for (int i = 0; i < MR; ++i)
-    for (int b = 0; b < NB; ++b) _mm512_store_ps(c + b * 256 + i * 16, acc[i][b]);
-}
-
-// a prompt's rows: each chunk's k pairs in turn, the NB blocks' weight rows loaded once and each broadcast
-// pair of x used for all NB blocks (6 rows x 4 blocks: 24 sums, 4 weight rows and the broadcast in registers)
-template <int MR, int NB>
-void dot_group_wide(const u16* wg, const u16* x, std::int64_t kp, float* c) {
-  __m512 acc[MR][NB];
-  for (int i = 0; i < MR; ++i)
-    for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
-  for (std::int64_t ch = 0; ch < kp / kChunk; ++ch) {
-    const u16* t = wg + ch * NB * kTile;
-    for (int r = 0; r < kChunk / 2; ++r) {
-      __m512bh w[NB];
-      for (int b = 0; b < NB; ++b) w[b] = (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock);
-      for (int i = 0; i < MR; ++i) {
-        std::uint32_t pair;
-        std::memcpy(&pair, x + i * kp + ch * kChunk + 2 * r, 4);
-        const __m512bh bc = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], bc, w[b]);
+    } else {
+      for (int r = 0; r < kChunk / 2; ++r) {
+        __m512bh w[NB];
+        for (int b = 0; b < NB; ++b) w[b] = (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock);
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh pair = x_pair(x, i * kp + ch * kChunk + 2 * r);
+          for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], pair, w[b]);
+        }
       }
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int b = 0; b < NB; ++b) _mm512_store_ps(c + b * 256 + i * 16, acc[i][b]);
-}
-
-template <int MR>
-void dot_rows_wide(const u16* wg, std::int64_t in_group, const u16* x, std::int64_t kp, float* c) {
-  switch (in_group) {
-    case 1: dot_group_wide<MR, 1>(wg, x, kp, c); break;
-    case 2: dot_group_wide<MR, 2>(wg, x, kp, c); break;
-    case 3: dot_group_wide<MR, 3>(wg, x, kp, c); break;
-    default: dot_group_wide<MR, 4>(wg, x, kp, c); break;
-  }
-}
-
-template <int MR>
-void dot_rows(const u16* wg, std::int64_t in_group, const u16* x, std::int64_t kp, float* c) {
-  switch (in_group) {
-    case 1: dot_group<MR, 1>(wg, x, kp, c); break;
-    case 2: dot_group<MR, 2>(wg, x, kp, c); break;
-    case 3: dot_group<MR, 3>(wg, x, kp, c); break;
-    default: dot_group<MR, 4>(wg, x, kp, c); break;
-  }
 }
 
 void dot_linear(const u16* packed, std::int64_t n, std::int64_t k, const u16* x, std::int64_t m, const u16* bias,
@@ -181,16 +166,19 @@ void dot_linear(const u16* packed, std::int64_t n, std::int64_t k, const u16* x,
         const std::int64_t left = m - r0;
         const u16* xr = xp.data() + r0 * kp;
         if (m > 16 && left >= 6) {   // a prompt: from L2 after the first pass
-          dot_rows_wide<6>(wg, in_group, xr, kp, c);
+          by_blocks(in_group, [&](auto nb) { dot_group<6, decltype(nb)::value, true>(wg, xr, kp, c); });
           for (std::int64_t b = 0; b < in_group; ++b) put(c + b * 256, r0, 6, b0 + b, n, bias, y);
           r0 += 6;
           continue;
         }
         const std::int64_t mr = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        if (mr == 8) dot_rows<8>(wg, in_group, xr, kp, c);
-        else if (mr == 4) dot_rows<4>(wg, in_group, xr, kp, c);
-        else if (mr == 2) dot_rows<2>(wg, in_group, xr, kp, c);
-        else dot_rows<1>(wg, in_group, xr, kp, c);
+        by_blocks(in_group, [&](auto nb) {
+          constexpr int NB = decltype(nb)::value;
+          if (mr == 8) dot_group<8, NB, false>(wg, xr, kp, c);
+          else if (mr == 4) dot_group<4, NB, false>(wg, xr, kp, c);
+          else if (mr == 2) dot_group<2, NB, false>(wg, xr, kp, c);
+          else dot_group<1, NB, false>(wg, xr, kp, c);
+        });
         for (std::int64_t b = 0; b < in_group; ++b) put(c + b * 256, r0, mr, b0 + b, n, bias, y);
         r0 += mr;
       }
@@ -321,12 +309,7 @@ void linear(const u16* packed, std::int64_t n, std::int64_t k, const u16* x, std
       const std::int64_t b0 = g * kGroup, in_group = std::min(kGroup, nb - b0);
       const u16* wg = packed + b0 * kBlock * kp;
       if (!prompt) {
-        switch (in_group) {
-          case 1: decode_group<1>(wg, xp.data(), kp, c); break;
-          case 2: decode_group<2>(wg, xp.data(), kp, c); break;
-          case 3: decode_group<3>(wg, xp.data(), kp, c); break;
-          default: decode_group<4>(wg, xp.data(), kp, c); break;
-        }
+        by_blocks(in_group, [&](auto nb) { decode_group<decltype(nb)::value>(wg, xp.data(), kp, c); });
         for (std::int64_t b = 0; b < in_group; ++b) put(c + b * 256, 0, m, b0 + b, n, bias, y);
         continue;
       }
