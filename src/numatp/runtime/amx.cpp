@@ -4,6 +4,8 @@
 //   numatp_amx_usable  1 where this build has the kernel and Linux lets this process use the tiles, else 0
 //   numatp_amx_pack    W (N, K), any strides (a GPT-2 Conv1D's (K, N) weight read transposed), into the layout
 //   numatp_amx_linear  the product, over the calling thread's OpenMP team
+//   numatp_dot_usable, numatp_dot_linear  the same product on the same packed weight with AVX512-BF16 dot
+//                      products, for CPUs without AMX (the dpbf16 provider; see dot_group below)
 //
 // Why: a decode step is bound by the weight bytes it streams, and it streams them once for all its rows.
 // gemv.cpp's AVX512-BF16 dot products keep up with memory for one row, not for eight: one thread, bf16
