@@ -27,8 +27,8 @@ answers differ), so numatp measures them (:mod:`numatp.runtime.gemm.measurement`
   each weight row loaded once for 4 blocks); for CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and later,
   Intel Cooper Lake). Measured, one thread of a Zen 5 EPYC, gpt2-medium's 2-socket bf16 shards streamed
   from memory: 31-38 GB/s of weight at 1 row and 27-30 at 8, where ``gemv`` read 21-26 and 12-15 and
-  ``onednn_packed`` 20-30 and 17-21; prompts of 32-512 rows as fast as ``onednn_packed`` (365-457 GFLOP/s),
-  so one copy serves both. Without AVX512-BF16 it fails to prepare (measures 0);
+  ``onednn_packed`` 20-30 and 17-21; prompts of 32-512 rows near ``onednn_packed`` (321-457 GFLOP/s
+  against 365-460), so one copy serves both. Without AVX512-BF16 it fails to prepare (measures 0);
 - ``inductor_cpp``: Inductor's C++ GEMM template (max_autotune's CPU kernel) compiled per weight, which
   it blocks and packs as a graph constant; compiling makes it slow to measure, so it runs only when
   ``GemmOptions.providers`` names it.
