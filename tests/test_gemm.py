@@ -102,8 +102,8 @@ def test_provider_runs_exactly_where_the_cpu_has_its_kernels(dtype, provider):
     """A provider this CPU cannot run measures 0 GFLOP/s, so a measured choice never picks it; one it can
     run measures a rate. Which is which comes from ATen's own CPU check, not from measuring: oneDNN's
     bf16 kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; amx (bf16 only) AMX-BF16 tiles and dpbf16
-    (bf16 only) AVX512-BF16, as the CPU's flags list them; the fp32 providers and the fp32 MKL path of bf16 run on every x86-64 CPU torch
-    supports."""
+    (bf16 only) AVX512-BF16, as the CPU's flags list them; the fp32 providers and the fp32 MKL path of bf16
+    run on every x86-64 CPU torch supports."""
     runs = _runs_here(provider, dtype)
     rate = measure(PROVIDERS[provider], GemmShape(32, 64, 64, str(dtype)[6:], "nk", 1), min_seconds=0,
                    max_calls=2)

@@ -163,26 +163,22 @@ void dot_linear(const u16* packed, std::int64_t n, std::int64_t k, const u16* x,
     for (std::int64_t g = g0; g < g1; ++g) {
       const std::int64_t b0 = g * kGroup, in_group = std::min(kGroup, nb - b0);
       const u16* wg = packed + b0 * kBlock * kp;
-      // rows 8 at a time (then 4, 2, 1): past the first 8 the group comes from L2 (64 channels x K x 2 bytes)
-      for (std::int64_t r0 = 0; r0 < m;) {
+      // a decode step's rows 8 at a time (then 4, 2, 1), a prompt's (more than kRows) 6 at a time; past the
+      // first pass the group comes from L2 (64 channels x K x 2 bytes)
+      for (std::int64_t r0 = 0, mr = 0; r0 < m; r0 += mr) {
         const std::int64_t left = m - r0;
+        const bool wide = m > kRows && left >= 6;
+        mr = wide ? 6 : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         const u16* xr = xp.data() + r0 * kp;
-        if (m > 16 && left >= 6) {   // a prompt: from L2 after the first pass
-          by_blocks(in_group, [&](auto nb) { dot_group<6, decltype(nb)::value, true>(wg, xr, kp, c); });
-          for (std::int64_t b = 0; b < in_group; ++b) put(c + b * 256, r0, 6, b0 + b, n, bias, y);
-          r0 += 6;
-          continue;
-        }
-        const std::int64_t mr = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
         by_blocks(in_group, [&](auto nb) {
           constexpr int NB = decltype(nb)::value;
-          if (mr == 8) dot_group<8, NB, false>(wg, xr, kp, c);
+          if (wide) dot_group<6, NB, true>(wg, xr, kp, c);
+          else if (mr == 8) dot_group<8, NB, false>(wg, xr, kp, c);
           else if (mr == 4) dot_group<4, NB, false>(wg, xr, kp, c);
           else if (mr == 2) dot_group<2, NB, false>(wg, xr, kp, c);
           else dot_group<1, NB, false>(wg, xr, kp, c);
         });
         for (std::int64_t b = 0; b < in_group; ++b) put(c + b * 256, r0, mr, b0 + b, n, bias, y);
-        r0 += mr;
       }
     }
   });
@@ -363,8 +359,7 @@ int numatp_amx_usable() { return amx_kernels::kBuilt && amx_kernels::permitted()
 int numatp_dot_usable() { return amx_kernels::kDotBuilt ? 1 : 0; }
 
 // y (M, N) = x (M, K) @ W^T (+ bias) on W packed by numatp_amx_pack, with AVX512-BF16 dot products (no
-// tiles; meant for a decode step's few rows); as numatp_amx_linear otherwise. Call only where
-// numatp_dot_usable() is 1.
+// tiles), any M; as numatp_amx_linear otherwise. Call only where numatp_dot_usable() is 1.
 void numatp_dot_linear(const std::uint16_t* packed, std::int64_t n, std::int64_t k, const std::uint16_t* x,
                        std::int64_t m, const std::uint16_t* bias, std::uint16_t* y) {
   amx_kernels::dot_linear(packed, n, k, x, m, bias, y);

@@ -76,7 +76,6 @@ constexpr int64_t kQtile = 6;       // dequantize-per-tile GEMM on a quantized b
 constexpr int64_t kQ8Aten = 7;      // ATen's _weight_int8pack_mm on views into an int8 buffer
 constexpr int64_t kAmx = 8;         // amx.cpp's tiles on a weight packed by numatp::amx_pack (bf16)
 constexpr int64_t kDot = 9;         // amx.cpp's AVX512-BF16 dot products on the same layout (numatp::dot_pack)
-constexpr int64_t kGemvMaxRows = 16;   // numatp.runtime.gemm.GEMV_MAX_ROWS: a decode step's rows
 
 // A new tensor of its own pages, bound to `node` before the first touch (mmap + mbind): a worker's
 // allocator may recycle pages of another node, and a page never written (as MKL's packing leaves part of
@@ -297,6 +296,7 @@ at::Tensor dot(const at::Tensor& x, const at::Tensor& packed, const std::optiona
   return tile_linear(x, packed, bias, n, k, "numatp dpbf16", &numatp_dot_linear);
 }
 
+constexpr int64_t kGemvMaxRows = 16;   // numatp.runtime.gemm.GEMV_MAX_ROWS: a decode step's rows
 
 // numatp's GEMV: a few rows against the weight as the model stores it, (N, K) or (K, N) (kn)
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool kn) {
