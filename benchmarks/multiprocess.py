@@ -8,11 +8,13 @@ CPUs, or its 2 NUMA nodes); they differ only in where a block's partial sums mee
 ``shards_only=True`` and reads only its own shards (``--whole``: every process builds all of it); the
 resident growth of each process, from before the model is built to after the timed generations, is
 reported beside the weight bytes numatp holds. Each configuration runs in its own child
-processes, one after the other: ``--rounds`` greedy generations of ``--new-tokens`` after a one untimed
-(compiling) generation; reported are the medians of the time to first token (the prompt's forward)
-and of the decode tokens/s, plus the time of one reduction per call: the
-in-process collective's (``ShardedExecutor.sync_seconds``) or the cross-process one's (``Hosts.seconds``).
-The ratio of the decode step times is the cost of the process boundary.
+processes, the two alternating ``--repeats`` times (a machine's speed drifts between processes: on a
+shared VM a decode step varies 20-25% from one process to the next): each run ``--rounds`` greedy
+generations of ``--new-tokens`` after one untimed (compiling) generation, reporting the medians of the
+time to first token (the prompt's forward) and of the decode tokens/s, plus the time of one reduction
+per call: the in-process collective's (``ShardedExecutor.sync_seconds``) or the cross-process one's
+(``Hosts.seconds``). The table gives each configuration's median over its runs, and the ratio of the
+median decode steps is the cost of the process boundary (each pair's ratio beside it).
 
     python benchmarks/multiprocess.py --model gpt2-medium --dtype bfloat16
 """
@@ -130,6 +132,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens per timed generation (default 32)")
     ap.add_argument("--rounds", type=int, default=3, help="timed generations (default 3)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each configuration, alternating (default 3)")
     ap.add_argument("--whole", action="store_true",
                     help="every process builds the whole model (default: each of 2 processes reads its shards only)")
     ap.add_argument("--out", help="append the JSON rows to this file")
@@ -141,35 +145,57 @@ def main() -> None:
     if args.child:
         _child(args)
         return
+    if args.repeats < 1:
+        raise SystemExit(f"multiprocess.py: --repeats {args.repeats}: at least 1 run of each configuration")
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("multiprocess.py: needs 2 CPUs or more (one socket per process)")
-    rows = []
-    for world in (1, 2):
-        print(f"[multiprocess] {world} process(es): compiling and timing", file=sys.stderr, flush=True)
-        got = _run(world, args)
-        rows += got
-        for r in got:
-            print(json.dumps(r), flush=True)
+    runs: dict[int, list[list[dict]]] = {1: [], 2: []}
+    for repeat in range(args.repeats):
+        for world in (1, 2):
+            print(f"[multiprocess] run {repeat + 1} of {args.repeats}, {world} process(es): compiling and timing",
+                  file=sys.stderr, flush=True)
+            got = _run(world, args)
+            runs[world].append(got)
+            for r in got:
+                print(json.dumps(r), flush=True)
     if args.out:
         with open(args.out, "a") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-    one, two = rows[0], rows[1]
-    print(f"\n{args.model} {args.dtype}, prompt {args.prompt}, {args.new_tokens} new tokens; same plan, same CPUs")
+            f.writelines(json.dumps(r) + "\n" for world in (1, 2) for got in runs[world] for r in got)
+    one, two = _median_row(runs[1]), _median_row(runs[2])
+    print(f"\n{args.model} {args.dtype}, prompt {args.prompt}, {args.new_tokens} new tokens; same plan, same CPUs; "
+          f"medians of {args.repeats} alternating runs of each")
     print(f"{'configuration':<26} {'prompt ms':>11} {'decode ms/step':>15} {'reduction us':>13} "
           f"{'weights MiB/process':>20} {'RSS growth MiB':>15}")
     for r in (one, two):
-        red = r.get("cross_process_us", r["reduction_us"])
-        print(f"{r['config']:<26} {r['prefill_ms']:>11.1f} {r['decode_step_ms']:>15.2f} {red:>13.0f} "
+        print(f"{r['config']:<26} {r['prefill_ms']:>11.1f} {r['decode_step_ms']:>15.2f} {r['reduction_us']:>13.0f} "
               f"{r['weight_bytes'] / 2**20:>20.1f} {r['rss_growth_bytes'] / 2**20:>15.1f}")
+    pairs = ", ".join(f"{b[0]['decode_step_ms'] / a[0]['decode_step_ms']:.2f}x" for a, b in zip(runs[1], runs[2]))
     print(f"2 processes / 1 process: prompt {two['prefill_ms'] / one['prefill_ms']:.2f}x, decode step "
-          f"{two['decode_step_ms'] / one['decode_step_ms']:.2f}x (the cost of the process boundary: "
-          f"{two['decode_step_ms'] - one['decode_step_ms']:.2f} ms per step, {two['reductions']} reductions over "
-          f"{args.rounds} generations); weights per process {two['weight_bytes'] / one['weight_bytes']:.2f}x, "
-          f"resident growth per process (model, shards, programs) "
-          f"{max(r['rss_growth_bytes'] for r in rows[1:]) / one['rss_growth_bytes']:.2f}x"
+          f"{two['decode_step_ms'] / one['decode_step_ms']:.2f}x (each pair of runs: {pairs}; the cost of the process "
+          f"boundary: {two['decode_step_ms'] - one['decode_step_ms']:.2f} ms per step, "
+          f"{runs[2][0][0]['reductions']} reductions a run); weights per process "
+          f"{two['weight_bytes'] / one['weight_bytes']:.2f}x, resident growth per process (model, shards, programs) "
+          f"{two['rss_growth_bytes'] / one['rss_growth_bytes']:.2f}x"
           + (" (each process built the whole model)" if args.whole else " (each process read its shards only)"))
-    same = one["last_tokens"] == two["last_tokens"] == rows[2]["last_tokens"]
-    print(f"greedy tokens of both configurations: {'identical' if same else 'differ'}")
+    within = {w: all(r["last_tokens"] == runs[w][0][0]["last_tokens"] for got in runs[w] for r in got) for w in (1, 2)}
+    across = runs[1][0][0]["last_tokens"] == runs[2][0][0]["last_tokens"]
+    print(f"greedy tokens: every run of 1 process {'identical' if within[1] else 'NOT identical'}, every process "
+          f"of every run of 2 {'identical' if within[2] else 'NOT identical'}; between the configurations "
+          + ("identical" if across else "they differ" + ("" if args.dtype == "float32" else
+             f" (in {args.dtype} a model with random weights parts where the programs round differently: one "
+             "process runs several layers per compiled segment, each of two processes a segment per reduction)")))
+
+
+def _median_row(runs: list[list[dict]]) -> dict:
+    """One configuration's runs (each a row per process) as one row: its medians, the slowest process's
+    reduction and resident growth per run."""
+    keys = ("prefill_ms", "decode_step_ms", "weight_bytes")
+    row = {k: statistics.median(max(r[k] for r in got) for got in runs) for k in keys}
+    row["reduction_us"] = statistics.median(max(r.get("cross_process_us", r["reduction_us"]) for r in got)
+                                            for got in runs)
+    row["rss_growth_bytes"] = statistics.median(max(r["rss_growth_bytes"] for r in got) for got in runs)
+    row["config"] = runs[0][0]["config"]
+    return row
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ its one socket and writes what it saw as JSON to ``OUT/RANK.json``. Scenarios:
 - ``mismatch``: process 1 builds one layer more; both record the compile's error;
 - ``shards``: ``equal`` on a model built with ``shards_only=True`` from the checkpoint the test saved
   (``NUMATP_TEST_CHECKPOINT``), reporting the elements this process read from it;
+- ``sums``: :class:`numatp.runtime.hosts.Hosts` alone: each process's own tensors (small ones, summed by
+  a gather, and one over ``GATHER_BYTES``, by gloo's all-reduce) summed across the 2, with the expected
+  sums and a digest of the results' bytes; gloo's transport threads and their scheduling policy;
 - ``node`` (the multi-node guest): process R takes NUMA node R's socket (its CPUs, its memory, shards
   bound there strictly) instead of one CPU, and reports ``equal``'s facts with the pages per node.
 """
@@ -59,6 +62,8 @@ def main() -> None:
     import numatp
     from numatp.backend import backend_of
 
+    if scenario == "sums":
+        _sums(rank, world, out)
     layers = 3 if scenario == "mismatch" and rank == 1 else 2
     model = tiny_llama(layers)
     compiled = model
@@ -127,6 +132,38 @@ def main() -> None:
         json.dump(result, f)
     sys.stdout.flush()
     os._exit(0)   # a peer that died leaves the process group unable to shut down cleanly
+
+
+def _sums(rank: int, world: int, out: str) -> None:
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    from numatp.runtime.hosts import GATHER_BYTES, Hosts
+
+    hosts = Hosts(dist.group.WORLD, 1, timeout=60.0)
+    result: dict = {"rank": rank, "demoted": hosts.demoted, "loops": {}}
+    large = GATHER_BYTES // 2   # elements: over GATHER_BYTES in either dtype once gathered from 2 processes
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 1024, 4096, large):
+            name = f"{str(dtype).split('.')[-1]}-{n}"
+            mine = [torch.randn(n, generator=torch.Generator().manual_seed(1000 * r + n)).to(dtype)
+                    for r in range(world)]   # every process's, drawn alike everywhere
+            t = mine[rank].clone()
+            hosts.all_reduce(t)
+            expected = torch.stack(mine).sum(0)
+            result[name] = {"equal": bool(torch.equal(t, expected)),
+                            "max_diff": float((t.float() - expected.float()).abs().max()),
+                            "digest": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip().startswith("gloo_tcp_loop"):
+                result["loops"][tid] = os.sched_getscheduler(int(tid)) == os.SCHED_IDLE
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,20 @@ def test_two_processes_compiled_with_inductor_match_eager(tmp_path):
     _equal(_hosts("equal", tmp_path, mode="inductor"))
 
 
+def test_cross_host_sums_are_the_same_bits_everywhere_by_gather_and_by_all_reduce(tmp_path):
+    got = _hosts("sums", tmp_path)
+    assert set(got) == {0, 1}, got
+    cases = [k for k in got[0] if "-" in k]
+    assert len(cases) == 8   # fp32 and bf16: 3 sizes gathered, 1 all-reduced by gloo
+    for k in cases:
+        for d in got.values():
+            assert d[k]["equal"], (k, d[k]["max_diff"])   # the sum in process order, to the bit
+        assert got[0][k]["digest"] == got[1][k]["digest"], k
+    for d in got.values():
+        # the group's transport threads run only on an otherwise idle CPU (the default group's keep theirs)
+        assert d["demoted"] >= 1 and sum(d["loops"].values()) == d["demoted"], d["loops"]
+
+
 def test_each_process_reads_only_its_slices_of_a_checkpoint(tmp_path):
     from tests.hosts_child import tiny_llama
     tiny_llama().save_pretrained(tmp_path / "ckpt")   # the model the processes build, for them to read

@@ -85,9 +85,11 @@ def predict_hosts(preset: str | Mapping[str, Any], batch: int, prompt: int, new_
 
     Each host does 1/``hosts`` of the one-host sharded step (its weights, cached heads and in-host
     reductions divide the same way: an upper bound on what a second host gives). Each of the step's
-    reductions (2 per layer and the vocabulary-parallel lookup's) adds one ring all-reduce of the
-    (batch, hidden) partial sum across the hosts, ``2 (H - 1)`` messages of latency and ``2 (H - 1) / H``
-    of its bytes at the network's rate; the logits gather is one more, of (batch, vocabulary) in fp32.
+    reductions (2 per layer and the vocabulary-parallel lookup's) adds one cross-host sum of the (batch,
+    hidden) partial sums, and the logits gather one more of (batch, vocabulary) in fp32, each the way
+    :class:`numatp.runtime.hosts.Hosts` sums: up to :data:`~numatp.runtime.hosts.GATHER_BYTES` gathered, a
+    ring all-gather (``H - 1`` messages of latency, ``H - 1`` times its bytes at the network's rate),
+    larger a ring all-reduce (``2 (H - 1)`` messages, ``2 (H - 1) / H`` of its bytes).
     Returns ``{"seconds": [one host, ..., hosts], "speedup": one host / hosts, "network": seconds of the
     network at ``hosts``}``."""
     if hosts < 1 or network_gbs <= 0 or latency_us < 0:
@@ -101,12 +103,21 @@ def predict_hosts(preset: str | Mapping[str, Any], batch: int, prompt: int, new_
     reductions = sum(b.kind in ("attention", "mlp") for b in blocks) + 1
     seconds, network = [], 0.0
     for h in range(1, hosts + 1):
-        messages = 2 * (h - 1)
-        share = 2 * (h - 1) / h
-        network = (reductions + 1) * messages * latency_us * 1e-6 + share * (
-            reductions * batch * hidden * item + batch * vocab * 4) / (network_gbs * 1e9)
+        network = (reductions * _cross_host_seconds(h, batch * hidden * item, network_gbs, latency_us)
+                   + _cross_host_seconds(h, batch * vocab * 4, network_gbs, latency_us))
         seconds.append(one / h + network)
     return {"seconds": seconds, "speedup": seconds[0] / seconds[-1], "network": network}
+
+
+def _cross_host_seconds(hosts: int, nbytes: int, network_gbs: float, latency_us: float) -> float:
+    """One cross-host sum of ``nbytes`` per host, as :meth:`numatp.runtime.hosts.Hosts.all_reduce` does it."""
+    from numatp.runtime.hosts import GATHER_BYTES
+
+    if hosts * nbytes <= GATHER_BYTES:   # gathered: each host's sum reaches every other
+        messages, moved = hosts - 1, float((hosts - 1) * nbytes)
+    else:
+        messages, moved = 2 * (hosts - 1), 2 * (hosts - 1) / hosts * nbytes
+    return messages * latency_us * 1e-6 + moved / (network_gbs * 1e9)
 
 
 def _builtin_for(sockets: int) -> str:
