@@ -108,6 +108,32 @@ def test_decode_attention_skips_positions_masked_for_every_head_and_reads_stride
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_each_heads_span_only(dtype):
+    """A mask per head whose unmasked positions sit in a different span for each head (leading and trailing
+    positions masked, gaps inside), one head of a group with none at all: equal to flash attention, and
+    positions outside every head's span of a group (NaN there) are not read."""
+    g = torch.Generator().manual_seed(2)
+    b, h, hk, s, d = 2, 4, 2, 50, 32
+    q = torch.randn(b, h, 1, d, generator=g).to(dtype)
+    k, v = (torch.randn(b, hk, s, d, generator=g).to(dtype) for _ in range(2))
+    low = torch.finfo(dtype).min
+    mask = torch.full((b, h, 1, s), low, dtype=dtype)
+    spans = {(0, 0): (5, 20), (0, 1): (12, 30), (0, 2): (0, 9), (0, 3): (40, 50),
+             (1, 0): (3, 4), (1, 1): (7, 33), (1, 2): (20, 45)}   # (1, 3): every position masked
+    for (i, j), (lo, hi) in spans.items():
+        mask[i, j, 0, lo:hi] = torch.randn(hi - lo, generator=g).to(dtype)
+        mask[i, j, 0, lo + 1:hi - 1:3] = low   # a gap inside the span
+    want = _flash(q, k, v, mask, 0.3)
+    k[0, 0, 30:], v[0, 0, 30:] = float("nan"), float("nan")   # past group (0, heads 0-1)'s spans
+    k[0, 1, 9:40], v[0, 1, 9:40] = float("nan"), float("nan")  # between group (0, heads 2-3)'s two spans
+    k[0, 0, :5], v[0, 0, :5] = float("nan"), float("nan")     # before group (0, heads 0-1)'s spans
+    got = DECODE(q, k, v, mask, 0.3)
+    assert not got[0].isnan().any()
+    torch.testing.assert_close(got[0], want[0], **_tol(dtype))
+    torch.testing.assert_close(got[1], want[1], **_tol(dtype))
+
+
 def test_decode_attention_with_every_position_masked_is_what_flash_returns():
     """A head with no position left (an idle row of a batch): -inf everywhere gives zeros, the lowest value
     everywhere weighs every position alike, as CPU flash attention does."""
