@@ -5,16 +5,17 @@ A decode step attends one new query per sequence to the whole cache. This pass r
 
     scores = sum_d q[d] * k[s, d] * scale (+ mask);  p = softmax_s(scores);  out = sum_s p[s] * v[s, :]
 
-in fp32. For fp32 and bf16 it is ``numatp::decode_attention`` (``runtime/attention.cpp``): each K and V
-row read once for the query heads of its group, vectorized for this CPU, and the positions the mask rules
-out for every head (a static cache's positions not reached yet: the dtype's lowest value, or -inf) not
-read at all, since their weight is exactly 0 in fp32, and those outside the span of a group's unmasked
-positions not even visited (a server's long cache costs what its written positions cost). Measured on a
-2-core AVX-512 Xeon, one thread, bf16, 8 heads of 64, a 224-position cache, 24 layers' caches in turn:
-8 sequences with 160 positions written 4.5 ms against torch's CPU flash attention's 6.6 and 14.7 for the
-fused Inductor loops this pass emitted before (one sequence: 0.53, 0.62, 1.31 ms). Other dtypes get those loops still: elementwise products and
-sums over the cache, which Inductor fuses into two passes that stream K and V once each. Grouped K/V heads
-(fewer K/V heads than query heads, as CPU flash attention takes them) are read once per group either way.
+in fp32. For fp32 and bf16 it is ``numatp::decode_attention`` (``runtime/attention.cpp``): each K and V row
+read once for the query heads of its group, vectorized for this CPU, and the positions the mask rules out
+for every head (a static cache's positions not reached yet: the dtype's lowest value, or -inf) not read at
+all, since their weight is exactly 0 in fp32, and those outside the span of a group's unmasked positions not
+even visited (a server's long cache costs what its written positions cost). Measured on a 2-core AVX-512
+Xeon, one thread, bf16, 8 heads of 64, a 224-position cache, 24 layers' caches in turn: 8 sequences with 160
+positions written 4.5 ms against torch's CPU flash attention's 6.6 and 14.7 for the fused Inductor loops
+this pass emitted before (one sequence: 0.53, 0.62, 1.31 ms). Other dtypes get those loops still:
+elementwise products and sums over the cache, which Inductor fuses into two passes that stream K and V once
+each. Grouped K/V heads (fewer K/V heads than query heads, as CPU flash attention takes them) are read once
+per group either way.
 
 Contract. Takes: a socket program (after localize; shapes in ``meta["val"]``). Guarantees: each
 rewritten node's output equals flash attention's within fp32 rounding (bf16: rounded once at the end),
