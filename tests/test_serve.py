@@ -342,8 +342,8 @@ def test_models_health_and_metrics(served):
     assert generated >= 3
 
 
-def _engine_run(fast, model, jobs, *, slots, max_len, chunk):
-    engine = Engine(fast, max_batch=slots, max_len=max_len, chunk=chunk)
+def _engine_run(fast, model, jobs, *, slots, max_len, chunk, skip_guards=False):
+    engine = Engine(fast, max_batch=slots, max_len=max_len, chunk=chunk, skip_guards=skip_guards)
     engine.start()
     try:
         done = [threading.Event() for _ in jobs]
@@ -399,6 +399,37 @@ def test_engine_through_inductor_equals_solo_generate():
         ids = torch.tensor([prompt])
         assert tokens == model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                         do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+_SKIPPING = """
+import json
+import torch
+import numatp
+from numatp import zoo
+from tests.helpers import shared_cpu_topology
+from tests.test_serve import _engine_run, _prompt
+model = zoo.build("gpt2", tiny=True)
+fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+jobs = [(_prompt(500 + k, 2, 50), 3 + (5 * k) % 30) for k in range(8)]
+got, engine = _engine_run(fast, model, jobs, slots=4, max_len=96, chunk=16, skip_guards=True)
+solo = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=n,
+                       do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p, n in jobs]
+print(json.dumps({"skipped": engine.guards_skipped, "equal": [g == w for g, w in zip(got, solo)],
+                  "resets": engine.resets}))
+"""
+
+
+@pytest.mark.integration
+def test_an_engine_that_skips_guards_in_a_process_of_its_own_equals_solo_generate():
+    """What `numatp serve` runs: the engine's forwards skip Dynamo's guards after the warm-up, in a process
+    that compiles this one model (a fresh one here), through joins and cache resets."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(Path(SRC).parent)]), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", _SKIPPING], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["skipped"], out   # skipped from the warm-up to the last forward (no fallback to guards)
+    assert all(out["equal"]) and len(out["equal"]) == 8, out
+    assert out["resets"] >= 1, out
 
 
 _PROBE = """
@@ -462,6 +493,7 @@ def test_cli_serves_and_sigterm_finishes_the_stream_in_flight_then_exits():
         # every token of the stream in flight arrives (a chunk may carry more than one)
         assert len(tokens) == 120
         assert proc.wait(60) == 0
+        assert "Dynamo's guards: skipped after the warm-up" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

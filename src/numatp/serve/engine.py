@@ -181,8 +181,9 @@ class Engine:
         self.lengths: collections.Counter[int] = collections.Counter()   # forwards per call length (1: a step)
         self.alone: collections.Counter[int] = collections.Counter()   # prefills run alone at width 1, per slot
         # Dynamo's guards skipped after the warm-up (see _warm_up): off by default, since with it on, a
-        # forward now and then ran without numatp in the test suite (on the main branch that closes the
-        # backends of collected models); not understood yet
+        # forward now and then ran without numatp in the test suite, a process that compiles and collects
+        # many models of the same classes (not understood yet); `numatp serve`, whose process compiles
+        # this one model alone, turns it on
         self.skip_guards = skip_guards
         self._skip_guards = False
         self.resets = 0
@@ -235,6 +236,12 @@ class Engine:
     @property
     def queued(self) -> int:
         return len(self._waiting) + len(self._inbox)
+
+    @property
+    def guards_skipped(self) -> bool:
+        """Whether the forwards skip Dynamo's guards (``skip_guards`` given, and the warm-up compiled nothing
+        the second time), until a change to the model makes them checked again."""
+        return self._skip_guards
 
     @property
     def started(self) -> bool:
