@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     fast = numatp.compile(model, sockets=topo, weights=args.weights, keep_head=args.keep_head, mode=args.mode)
     pad = tokenizer.pad_token_id if tokenizer is not None else None
     # this process compiles this one model alone: the engine's forwards may skip Dynamo's guards after its
-    # warm-up (measured, gpt2-medium bf16 on 2 virtual sockets, one stream: 1.6 ms a step with them)
+    # warm-up (measured, gpt2-medium bf16 on 2 virtual sockets, one stream: 1.9 ms a step with them)
     engine = Engine(fast, max_batch=args.max_batch, max_len=args.max_len, chunk=args.chunk,
                     cache_len=args.cache_len, max_queue=args.max_queue, pad_token_id=pad, skip_guards=True)
     widths = ", and the same at width 1 (one slot's row: a lone stream, a join of few)," if args.max_batch > 1 else ""
