@@ -293,7 +293,11 @@ def test_auto_measures_both_plans_when_close(gemm):
     assert m, note
     sharded_ms, unsharded_ms, pick = float(m[1]), float(m[2]), m[3]
     assert pick == ("sharded" if sharded_ms < unsharded_ms else "unsharded")
-    assert all(b.sharded == (pick == "sharded") for b in decided)
+    # the kept plan's blocks: every attention and MLP block sharded where sharding won (a small table such
+    # as GPT-2's position embedding stays replicated in the sharded plan too), none where it lost
+    layers = [b for b in decided if b.kind in ("attention", "mlp")]
+    assert layers and all(b.sharded == (pick == "sharded") for b in layers)
+    assert pick == "sharded" or not any(b.sharded for b in decided)
     assert plan.predicted and set(plan.predicted) == {"sharded", "unsharded"}
     # only the kept plan's socket shards stay: the placement report lists them only when sharding won
     assert (numatp.placement_report(compiled)["tensors"] > 0) == (pick == "sharded")
@@ -302,8 +306,10 @@ def test_auto_measures_both_plans_when_close(gemm):
     with torch.inference_mode():
         compiled(**inputs)
     done = {k: backend.performed[k] - performed[k] for k in performed}
-    # the kept program is what runs: the sharded one reduces twice per layer, the unsharded one never
-    assert done == ({"all_reduce": 4, "all_gather": 1} if pick == "sharded" else {"all_reduce": 0, "all_gather": 0})
+    # the kept program is what runs: the sharded one reduces twice per layer and once for the vocabulary-
+    # parallel lookup, and gathers the logits; the unsharded one never
+    want = {"all_reduce": 2 * 2 + 1, "all_gather": 1} if pick == "sharded" else {"all_reduce": 0, "all_gather": 0}
+    assert done == want and (pick != "sharded" or plan.reductions == 5), (done, plan.reductions)
     if gemm:
         # the GEMM report is that of the kept program (whichever was built last), at its workers' thread
         # counts: 1 CPU per virtual socket sharded, every CPU unsharded
