@@ -189,11 +189,10 @@ def main() -> None:
 def _median_row(runs: list[list[dict]]) -> dict:
     """One configuration's runs (each a row per process) as one row: its medians, the slowest process's
     reduction and resident growth per run."""
-    keys = ("prefill_ms", "decode_step_ms", "weight_bytes")
+    keys = ("prefill_ms", "decode_step_ms", "weight_bytes", "rss_growth_bytes")
     row = {k: statistics.median(max(r[k] for r in got) for got in runs) for k in keys}
     row["reduction_us"] = statistics.median(max(r.get("cross_process_us", r["reduction_us"]) for r in got)
                                             for got in runs)
-    row["rss_growth_bytes"] = statistics.median(max(r["rss_growth_bytes"] for r in got) for got in runs)
     row["config"] = runs[0][0]["config"]
     return row
 

@@ -91,26 +91,23 @@ void group(const T* q, const T* k, const T* v, const T* mask, T* out, const Shap
   }
   const int64_t S = std::max<int64_t>(hi - lo, 0);
   // the thread's scratch, reused from item to item (no allocation per item once it is large enough)
-  buf.assign(static_cast<size_t>(G * D * 2 + G * S + 3 * G), 0.f);
+  buf.assign(static_cast<size_t>(G * D * 2 + G * S + 2 * G), 0.f);
   float* qf = buf.data();          // G x D: the queries, fp32
   float* acc = qf + G * D;         // G x D: sum_s p[s] v[s]
   float* sc = acc + G * D;         // G x S: scores, then weights, of positions lo to hi - 1
   float* peak = sc + G * S;        // G: the largest score
   float* total = peak + G;         // G: sum_s p[s]
-  float* every = total + G;        // G: 1 where no position is unmasked (every one counts)
   std::fill(peak, peak + G, kNone);
   auto qrow = [&](int64_t g) { return q + b * a.q_b + (hk * G + g) * a.q_h; };
   auto mrow = [&](int64_t g) { return mask + b * a.m_b + (hk * G + g) * a.m_h + lo; };
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(qrow(g)[d]);
-    every[g] = spans[g].every ? 1.f : 0.f;
-  }
   const T* kb = k + b * a.k_b + hk * a.k_h + lo * a.k_s;
   const T* vb = v + b * a.v_b + hk * a.v_h + lo * a.v_s;
   // scores: each K row loaded once for the group's query heads
   for (int64_t s = 0; s < S; ++s) {
     bool read = false;
-    for (int64_t g = 0; g < G && !read; ++g) read = !mask || every[g] != 0.f || to_float(mrow(g)[s]) > kMasked;
+    for (int64_t g = 0; g < G && !read; ++g) read = !mask || spans[g].every || to_float(mrow(g)[s]) > kMasked;
     if (!read) {
       for (int64_t g = 0; g < G; ++g) sc[g * S + s] = kNone;
       continue;
@@ -119,7 +116,7 @@ void group(const T* q, const T* k, const T* v, const T* mask, T* out, const Shap
     ahead(kr + kAheadRows * a.k_s, D * static_cast<int64_t>(sizeof(T)));
     for (int64_t g = 0; g < G; ++g) {
       const float m = mask ? to_float(mrow(g)[s]) : 0.f;
-      if (mask && every[g] == 0.f && m <= kMasked) {
+      if (mask && !spans[g].every && m <= kMasked) {
         sc[g * S + s] = kNone;
         continue;
       }
