@@ -141,6 +141,28 @@ def test_kernels_equal_dequantized_reference(provider, fmt, dtype):
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qembedding_is_the_dequantized_rows(fmt):
+    # numatp::qembedding (C++): the rows of ids, dequantized as quant.dequantize, in the asked dtype
+    gen = torch.Generator().manual_seed(3)
+    k = K_OF[fmt]
+    buf = _buffer(fmt, 96, k, gen)
+    table = quant.dequantize(buf)
+    for ids in (torch.tensor([7]), torch.tensor([[0, 95, 7], [7, 3, 3]]), torch.tensor([], dtype=torch.long),
+                torch.tensor([[5, 1]], dtype=torch.int32)):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            y = quant.qembedding(buf, ids, k, dtype)
+            assert y.shape == (*ids.shape, k) and y.dtype == dtype
+            assert torch.equal(y, table[ids.long()].to(dtype)), (fmt, ids.tolist(), dtype)
+    with pytest.raises(RuntimeError, match="id 96 is outside the table's 96 rows"):
+        quant.qembedding(buf, torch.tensor([3, 96]), k, torch.float32)
+    with pytest.raises(RuntimeError, match=f"the call asks for K = {k - 32}"):
+        quant.qembedding(buf, torch.tensor([3]), k - 32, torch.float32)
+    with pytest.raises(RuntimeError, match="ids are int64 or int32"):
+        quant.qembedding(buf, torch.tensor([3.0]), k, torch.float32)
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize("provider", ["qgemv", "qtile"])
 def test_kernels_on_two_threads(provider):
     load_ops()

@@ -47,7 +47,7 @@ from numatp.plan.gemm_sites import Site, find_sites
 from numatp.runtime.gemm import (GEMM_OP, PROVIDERS, GemmShape, GemmTable, MachineFacts, PackInfo,
                                  PreparedOperands, Provider, measure_missing, stand_in, streams, usable_rates)
 from numatp.runtime.gemm.measurement import Measure
-from numatp.runtime.gemm.quant import QEMBEDDING_OP, QuantFormat, nbytes as quant_nbytes, quantize
+from numatp.runtime.gemm.quant import QuantFormat, nbytes as quant_nbytes, qembedding_op, quantize
 
 __all__ = ["BoundSelector", "Decode", "GemmChoice", "GemmOptions", "GemmSelector", "OperandRecord", "QuantWeights",
            "report_rows"]
@@ -374,7 +374,7 @@ class GemmSelector:
                 rows, width = int(plain.shape[0]), int(plain.shape[1])
                 for u in uses:
                     with gm.graph.inserting_before(u):
-                        new = gm.graph.call_function(QEMBEDDING_OP, (ph, u.args[1], width, plain.dtype))
+                        new = gm.graph.call_function(qembedding_op(), (ph, u.args[1], width, plain.dtype))
                     new.meta = dict(u.meta)
                     u.replace_all_uses_with(new)
                     gm.graph.erase_node(u)

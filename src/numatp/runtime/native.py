@@ -115,8 +115,8 @@ def library_path() -> Path:
 
 def load_ops() -> None:
     """Register ``numatp::linear``, ``numatp::linear_into``, ``numatp::mkl_pack``, ``numatp::amx_pack``,
-    ``numatp::amx_usable``, ``numatp::socket_all_reduce`` and ``numatp::decode_attention`` with torch, and
-    their shape functions."""
+    ``numatp::amx_usable``, ``numatp::socket_all_reduce``, ``numatp::decode_attention`` and
+    ``numatp::qembedding`` with torch, and their shape functions."""
     global _ops_loaded
     path = library_path()
     with _lock:
@@ -147,5 +147,9 @@ def load_ops() -> None:
         @torch.library.register_fake("numatp::decode_attention")
         def _(q, k, v, mask, scale):
             return q.new_empty(q.shape)
+
+        @torch.library.register_fake("numatp::qembedding")
+        def _(buf, ids, k, dtype):
+            return ids.new_empty((*ids.shape, k), dtype=dtype)
 
         _ops_loaded = True

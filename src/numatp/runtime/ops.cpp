@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <cerrno>
+#include <string>
 #include <cstdint>
 #include <cstring>
 #include <ctime>
@@ -49,6 +50,8 @@ void numatp_qgemv(const std::uint8_t* q, const float* s, const float* z, int bit
                   std::int64_t group, const void* x, int x_bf16, const void* bias, void* y, std::int64_t m);
 void numatp_qdequant(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n,
                      std::int64_t k, std::int64_t group, std::int64_t n0, std::int64_t n1, void* out, int to_bf16);
+void numatp_qrows(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n, std::int64_t k,
+                  std::int64_t group, const std::int64_t* ids, std::int64_t count, void* out, int to_bf16);
 // amx.cpp: bf16 GEMM on AMX tiles, on a weight packed into them
 int numatp_amx_usable();
 std::int64_t numatp_amx_packed_size(std::int64_t n, std::int64_t k);
@@ -389,6 +392,7 @@ struct QuantBuf {
   int64_t groups() const { return k / group; }
 };
 
+// n < 0: any N (the header's)
 QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 1 && w.is_contiguous() && w.numel() >= kQuantHeader,
               who, ": the weight must be a quantized buffer (a contiguous 1-D uint8 tensor made by "
@@ -403,8 +407,9 @@ QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
               "): quantize it with numatp.runtime.gemm.quant.quantize");
   b.bits = h[2], b.n = h[3], b.k = h[4], b.group = h[5], b.zeros = h[6];
   b.q_off = h[7], b.s_off = h[8], b.z_off = h[9], b.q_bytes = h[10], b.total = h[11];
-  TORCH_CHECK(b.n == n && b.k == k, who, ": the quantized weight is (N, K) = (", b.n, ", ", b.k,
-              "), the call asks for (", n, ", ", k, ")");
+  TORCH_CHECK((n < 0 || b.n == n) && b.k == k, who, ": the quantized weight is (N, K) = (", b.n, ", ", b.k,
+              "), the call asks for ", n < 0 ? std::string("K = ") + std::to_string(k)
+                                              : "(" + std::to_string(n) + ", " + std::to_string(k) + ")");
   TORCH_CHECK(b.bits == 8 || b.bits == 4, who, ": quantized weights are int8 or int4, the header says ", b.bits,
               " bits");
   TORCH_CHECK(b.group > 0 && b.k % b.group == 0 && (b.bits == 8 ? b.group == b.k : b.group % 32 == 0), who,
@@ -421,6 +426,31 @@ QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
 void check_x(const at::Tensor& x, const char* who) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, who,
               ": activations are float32 or bfloat16 over a quantized weight, got ", x.scalar_type());
+}
+
+// embedding(W, ids) of a (rows, k) table stored quantized: the rows dequantized in fp32 (as
+// numatp.runtime.gemm.quant.dequantize), then in dtype. In C++ so that a compiled segment calls it without
+// the GIL: as a Python op, each socket's lookup of a decode step took the GIL in turn (5% of an int4 step's
+// samples on each socket's thread, gpt2-medium at 2 sockets).
+at::Tensor qembedding(const at::Tensor& buf, const at::Tensor& ids, int64_t k, at::ScalarType dtype) {
+  const char* who = "numatp::qembedding";
+  const QuantBuf b = quant_buf(buf, -1, k, who);
+  TORCH_CHECK(ids.scalar_type() == at::kLong || ids.scalar_type() == at::kInt, who,
+              ": ids are int64 or int32, got ", ids.scalar_type());
+  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t count = flat.numel();
+  const int64_t* at_ = flat.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i)
+    TORCH_CHECK(at_[i] >= 0 && at_[i] < b.n, who, ": id ", at_[i], " is outside the table's ", b.n, " rows");
+  const bool direct = dtype == at::kFloat || dtype == at::kBFloat16;
+  at::Tensor out = at::empty({count, k}, buf.options().dtype(direct ? dtype : at::kFloat));
+  if (count > 0 && k > 0)
+    numatp_qrows(b.q(), b.s(), b.z(), static_cast<int>(b.bits), b.n, k, b.group, at_, count, out.mutable_data_ptr(),
+                 dtype == at::kBFloat16);
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  out = out.view(shape);
+  return direct ? out : out.to(dtype);
 }
 
 // quant.cpp's GEMV: up to 16 rows, the weight streamed once
@@ -668,6 +698,7 @@ TORCH_LIBRARY_FRAGMENT(numatp, m) {
   m.def("dot_usable() -> bool", [] { return numatp_dot_usable() == 1; });
   m.def("socket_all_reduce(Tensor x, Tensor? after) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("qembedding(Tensor buf, Tensor ids, int k, ScalarType dtype) -> Tensor");
 }
 
 // every backend: a packed oneDNN weight is an MkldnnCPU tensor beside a CPU activation
@@ -679,4 +710,5 @@ TORCH_LIBRARY_IMPL(numatp, CompositeExplicitAutograd, m) {
   m.impl("dot_pack", &dot_pack);
   m.impl("socket_all_reduce", &all_reduce);
   m.impl("decode_attention", &decode_attention);
+  m.impl("qembedding", &qembedding);
 }

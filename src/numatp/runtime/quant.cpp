@@ -7,6 +7,8 @@
 //                    OpenMP team (as gemv.cpp; ops.cpp calls it for up to 16 rows).
 //   numatp_qdequant  channels [n0, n1) of W dequantized into an (n1 - n0, K) float32 or bfloat16 buffer
 //                    (the dequantize-per-tile GEMM of ops.cpp, which then calls ATen's GEMM on it).
+//   numatp_qrows     the channels given by ids, dequantized likewise: numatp::qembedding, the lookup of an
+//                    embedding table stored quantized (a tied LM head's, read by its lookup).
 //
 // Sums are in fp32: for each output channel and group, t = sum_k x[k] * qv[k] with qv the stored integer
 // (int8: q, int4: q - 8), exact in bf16 and fp32; the group's sum is scaled once (acc += t * s[g]), the
@@ -406,37 +408,52 @@ inline void put_row(const float* src, std::int64_t k, void* out, std::int64_t ro
   for (; c < k; ++c) o[c] = float_to_bf16(src[c]);
 }
 
-void dequant(const QW& w, std::int64_t n0, std::int64_t n1, void* out, int to_bf16) {
+// channel n of W dequantized into dst (K floats, 32 spare): w = qv * s (+ z), a product then a sum
+inline void dequant_row(const QW& w, std::int64_t n, float* dst) {
   const std::int64_t k = w.k;
-  parallel(n1 - n0, 16, [&](std::int64_t a, std::int64_t b) {
-    std::vector<float> tmp(static_cast<std::size_t>(k) + 32);
-    float* dst = tmp.data();
-    for (std::int64_t i = a; i < b; ++i) {
-      const std::int64_t n = n0 + i;
-      if (w.bits == 8) {
-        const std::int8_t* q = reinterpret_cast<const std::int8_t*>(w.q) + n * k;
-        const float s = w.s[n];
-        const vf sv = vset(s);
-        std::int64_t c = 0;
-        for (; c + kLanes <= k; c += kLanes) vstore(dst + c, load_i8(q + c) * sv);
-        for (; c < k; ++c) dst[c] = float(q[c]) * s;
-      } else {
-        const std::uint8_t* q = w.q + n * (k / 2);
-        for (std::int64_t g = 0; g < w.groups; ++g) {
-          const vf sv = vset(w.s[n * w.groups + g]);
-          const vf zv = vset(w.z ? w.z[n * w.groups + g] : 0.f);
-          for (std::int64_t c = g * w.group; c < (g + 1) * w.group; c += 32) {
-            vf v[32 / kLanes];
-            load_i4(q + c / 2, v);   // (q - 8) in order
-            for (int e = 0; e < 32 / kLanes; ++e) {
-              vf t = v[e] * sv;
-              if (w.z) t = t + zv;
-              vstore(dst + c + e * kLanes, t);
-            }
-          }
+  if (w.bits == 8) {
+    const std::int8_t* q = reinterpret_cast<const std::int8_t*>(w.q) + n * k;
+    const float s = w.s[n];
+    const vf sv = vset(s);
+    std::int64_t c = 0;
+    for (; c + kLanes <= k; c += kLanes) vstore(dst + c, load_i8(q + c) * sv);
+    for (; c < k; ++c) dst[c] = float(q[c]) * s;
+  } else {
+    const std::uint8_t* q = w.q + n * (k / 2);
+    for (std::int64_t g = 0; g < w.groups; ++g) {
+      const vf sv = vset(w.s[n * w.groups + g]);
+      const vf zv = vset(w.z ? w.z[n * w.groups + g] : 0.f);
+      for (std::int64_t c = g * w.group; c < (g + 1) * w.group; c += 32) {
+        vf v[32 / kLanes];
+        load_i4(q + c / 2, v);   // (q - 8) in order
+        for (int e = 0; e < 32 / kLanes; ++e) {
+          vf t = v[e] * sv;
+          if (w.z) t = t + zv;
+          vstore(dst + c + e * kLanes, t);
         }
       }
-      put_row(dst, k, out, i, to_bf16);
+    }
+  }
+}
+
+void dequant(const QW& w, std::int64_t n0, std::int64_t n1, void* out, int to_bf16) {
+  parallel(n1 - n0, 16, [&](std::int64_t a, std::int64_t b) {
+    std::vector<float> tmp(static_cast<std::size_t>(w.k) + 32);
+    for (std::int64_t i = a; i < b; ++i) {
+      dequant_row(w, n0 + i, tmp.data());
+      put_row(tmp.data(), w.k, out, i, to_bf16);
+    }
+  });
+}
+
+// the channels ids[0 .. count) of W, in that order, into out ((count, K), fp32 or bf16): an embedding
+// table's lookup
+void rows(const QW& w, const std::int64_t* ids, std::int64_t count, void* out, int to_bf16) {
+  parallel(count, 16, [&](std::int64_t a, std::int64_t b) {
+    std::vector<float> tmp(static_cast<std::size_t>(w.k) + 32);
+    for (std::int64_t i = a; i < b; ++i) {
+      dequant_row(w, ids[i], tmp.data());
+      put_row(tmp.data(), w.k, out, i, to_bf16);
     }
   });
 }
@@ -458,6 +475,13 @@ void numatp_qdequant(const std::uint8_t* q, const float* s, const float* z, int 
                      std::int64_t k, std::int64_t group, std::int64_t n0, std::int64_t n1, void* out, int to_bf16) {
   const quant_kernels::QW w{q, s, z, bits, n, k, group, k / group};
   quant_kernels::dequant(w, n0, n1, out, to_bf16);
+}
+
+// rows ids[0 .. count) of W (each in [0, N)) into out, (count, K) fp32 (to_bf16 = 0) or bf16 (1)
+void numatp_qrows(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n, std::int64_t k,
+                  std::int64_t group, const std::int64_t* ids, std::int64_t count, void* out, int to_bf16) {
+  const quant_kernels::QW w{q, s, z, bits, n, k, group, k / group};
+  quant_kernels::rows(w, ids, count, out, to_bf16);
 }
 
 }  // extern "C"

@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_INT4_GROUP", "GROUPS", "MAGIC", "QEMBEDDING_OP", "QuantFormat", "QuantValues", "dequantize",
-           "from_values", "header", "nbytes", "qembedding", "quantize", "unpack", "views"]
+__all__ = ["DEFAULT_INT4_GROUP", "GROUPS", "MAGIC", "QuantFormat", "QuantValues", "dequantize",
+           "from_values", "header", "nbytes", "qembedding", "qembedding_op", "quantize", "unpack", "views"]
 
 MAGIC = 0x5150544E   # "NTPQ"
 VERSION = 1
@@ -258,31 +259,17 @@ def quantize(w_nk: torch.Tensor, fmt: QuantFormat | str, out: torch.Tensor | Non
     return from_values(v.q, v.scales, v.zeros, v.fmt, out=out)
 
 
-@torch.library.custom_op("numatp::qembedding", mutates_args=())
 def qembedding(buf: torch.Tensor, ids: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     """``embedding(W, ids)`` of a ``(rows, k)`` table stored as a quantized buffer: the rows ``ids``
     dequantized (in float32, as :func:`dequantize`), in ``dtype``. A tied LM head's vocabulary-parallel
     lookup reads the head's own quantized shard with it, and an untied table is stored so too. ``k`` is
-    the width (in the header too, which shape propagation cannot read)."""
-    h = header(buf)
-    if h["k"] != k:
-        raise ValueError(f"numatp::qembedding: the table is {h['n']} x {h['k']}, the call expects a width of {k}")
-    q, s, z = views(buf)
-    flat = ids.reshape(-1)
-    if h["bits"] == 8:
-        rows = q.index_select(0, flat).to(torch.float32) * s.index_select(0, flat)
-    else:
-        g = h["group"]
-        v = _unpack4(q.index_select(0, flat), k).to(torch.float32) - 8
-        rows = v * s.index_select(0, flat).repeat_interleave(g, dim=1)
-        if z is not None:
-            rows = rows + z.index_select(0, flat).repeat_interleave(g, dim=1)
-    return rows.to(dtype).reshape(*ids.shape, k)
+    the width (in the header too, which shape propagation cannot read). The op is ``numatp::qembedding``
+    (:func:`qembedding_op`), in C++: a compiled segment calls it without taking the GIL."""
+    return qembedding_op()(buf, ids, k, dtype)
 
 
-@qembedding.register_fake
-def _(buf: torch.Tensor, ids: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
-    return ids.new_empty((*ids.shape, k), dtype=dtype)
-
-
-QEMBEDDING_OP = torch.ops.numatp.qembedding.default
+def qembedding_op() -> Any:
+    """``torch.ops.numatp.qembedding.default`` (numatp's library loaded, built on first use)."""
+    from numatp.runtime.native import load_ops
+    load_ops()
+    return torch.ops.numatp.qembedding.default
