@@ -9,7 +9,9 @@
 //   numatp::mkl_pack    MKL's packed copy of a weight, for the mkl_packed providers;
 //   numatp::amx_pack    a bf16 weight packed into AMX tiles (amx.cpp), for the amx provider;
 //   numatp::dot_pack    the same layout for the dpbf16 provider (AVX512-BF16 dot products, no tiles);
-//   numatp::socket_all_reduce  the sockets' reduction (collective.cpp, built into the same library).
+//   numatp::socket_all_reduce  the sockets' reduction (collective.cpp, built into the same library);
+//   numatp::decode_attention   a decode step's attention over the cache (attention.cpp);
+//   numatp::qembedding  an embedding lookup in a table stored quantized (quant.cpp's rows).
 
 // Only the headers used (Tensor's methods, the few functions called, the dispatcher), not ATen/ATen.h's
 // every operator: the library is compiled on first use, also in the emulated guest of the numa suite.
@@ -25,10 +27,11 @@
 #include <torch/library.h>
 
 #include <cerrno>
-#include <string>
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <string>
+#include <vector>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
