@@ -436,23 +436,13 @@ inline void dequant_row(const QW& w, std::int64_t n, float* dst) {
   }
 }
 
-void dequant(const QW& w, std::int64_t n0, std::int64_t n1, void* out, int to_bf16) {
-  parallel(n1 - n0, 16, [&](std::int64_t a, std::int64_t b) {
-    std::vector<float> tmp(static_cast<std::size_t>(w.k) + 32);
-    for (std::int64_t i = a; i < b; ++i) {
-      dequant_row(w, n0 + i, tmp.data());
-      put_row(tmp.data(), w.k, out, i, to_bf16);
-    }
-  });
-}
-
-// the channels ids[0 .. count) of W, in that order, into out ((count, K), fp32 or bf16): an embedding
-// table's lookup
-void rows(const QW& w, const std::int64_t* ids, std::int64_t count, void* out, int to_bf16) {
+// channels at(0) .. at(count - 1) of W, in that order, into out ((count, K), fp32 or bf16)
+template <typename At>
+void rows(const QW& w, std::int64_t count, At at, void* out, int to_bf16) {
   parallel(count, 16, [&](std::int64_t a, std::int64_t b) {
     std::vector<float> tmp(static_cast<std::size_t>(w.k) + 32);
     for (std::int64_t i = a; i < b; ++i) {
-      dequant_row(w, ids[i], tmp.data());
+      dequant_row(w, at(i), tmp.data());
       put_row(tmp.data(), w.k, out, i, to_bf16);
     }
   });
@@ -474,14 +464,14 @@ void numatp_qgemv(const std::uint8_t* q, const float* s, const float* z, int bit
 void numatp_qdequant(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n,
                      std::int64_t k, std::int64_t group, std::int64_t n0, std::int64_t n1, void* out, int to_bf16) {
   const quant_kernels::QW w{q, s, z, bits, n, k, group, k / group};
-  quant_kernels::dequant(w, n0, n1, out, to_bf16);
+  quant_kernels::rows(w, n1 - n0, [n0](std::int64_t i) { return n0 + i; }, out, to_bf16);
 }
 
 // rows ids[0 .. count) of W (each in [0, N)) into out, (count, K) fp32 (to_bf16 = 0) or bf16 (1)
 void numatp_qrows(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n, std::int64_t k,
                   std::int64_t group, const std::int64_t* ids, std::int64_t count, void* out, int to_bf16) {
   const quant_kernels::QW w{q, s, z, bits, n, k, group, k / group};
-  quant_kernels::rows(w, ids, count, out, to_bf16);
+  quant_kernels::rows(w, count, [ids](std::int64_t i) { return ids[i]; }, out, to_bf16);
 }
 
 }  // extern "C"
