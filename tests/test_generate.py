@@ -324,3 +324,22 @@ def test_prompts_of_one_bucket_share_a_program_and_a_forward_past_dynamos_limit_
                       prompt_bucket=1)
     with pytest.raises(ValueError, match="prompt_bucket=0"):
         fast.generate(ids, prompt_bucket=0)
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 511, 50257])
+def test_argmax_is_atens_argmax(vocab):
+    # greedy decoding's argmax (blocks' maxima, then the first block and index holding the row's maximum)
+    # picks what torch.argmax picks: ties to the first index, NaN as the largest, a maximum in the last
+    # (shorter) block, rows of -inf
+    from numatp.generate import argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1] = x[1].round()                      # many ties
+    x[2, vocab // 2] = x[2, -1] = 1e9        # a tie between a middle and the last index
+    x[3, -1] = 1e9                           # the maximum in the last block
+    x[4, vocab // 3] = float("nan")
+    x[4, -1] = float("nan")
+    x[5] = float("-inf")
+    for logits in (x, x.to(torch.bfloat16).float(), x[:1]):
+        assert torch.equal(argmax(logits), logits.argmax(-1))

@@ -64,3 +64,52 @@ def test_tensors_in_disjoint_parts_of_one_buffer_are_separate_states():
     assert copies[0].data_ptr() != copies[1].data_ptr()
     for t, c in zip(layers, copies):
         torch.testing.assert_close(c, t[:, :2])
+
+
+class _Recorder:
+    """An executor that records the per-socket arguments it is given and writes each socket's length."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[list]] = []
+
+    def run(self, local: list[list]) -> list:
+        self.calls.append(local)
+        for args in local:
+            args[2].add_(1)   # every socket's program increments its copy of the length
+        return []
+
+
+def test_a_variant_reuses_its_state_lookups_until_a_state_tensor_is_dropped():
+    # a decode step passes the same cache tensors at every call: the variant looks their sockets' copies up
+    # once, and looks again when other tensors come or when the store forgets one (its id may come back)
+    import gc
+
+    from numatp.backend.variants import Variant
+    from numatp.plan.schema import Replicate
+
+    store = StateStore(shared_cpu_topology(2))
+    weights = [[torch.full((2,), float(r)), None, None, None] for r in range(2)]
+    bindings = [[Binding(index=0, placement=Colwise(dim=0, splits=(IndexSet(((0, 1),)), IndexSet(((1, 2),))))),
+                 Binding(index=1, placement=None),
+                 Binding(index=2, placement=Replicate(), state=True),
+                 Binding(index=3, placement=HEADS, state=True)] for _ in range(2)]
+    rec = _Recorder()
+    variant = Variant(plan=None, executor=rec, bindings=bindings, weights=weights, states=store)  # type: ignore[arg-type]
+    length, kv = torch.zeros(1), _kv()
+    for step in range(3):
+        x = torch.full((1,), float(step))
+        variant(None, x, length, kv)
+        local = rec.calls[-1]
+        for r in range(2):
+            assert local[r][0] is weights[r][0] and local[r][1] is x
+            assert local[r][3].data_ptr() == store.get(kv, bindings[r][3], r).data_ptr()
+        assert float(length) == step + 1   # socket 0's length written back after every call
+    assert variant.bound is not None and all(a[2] is b[2] for a, b in zip(rec.calls[0], rec.calls[2]))
+    other = _kv(2)   # another cache: its own copies
+    variant(None, torch.zeros(1), length, other)
+    assert rec.calls[-1][0][3].shape == (2, 2, 6, 3) and variant.bound[0][1] == id(other)
+    bytes_before = sum(store.nbytes)
+    del kv, other
+    gc.collect()
+    assert variant.bound is None   # the store forgot tensors: nothing it looked up is kept
+    assert sum(store.nbytes) < bytes_before

@@ -43,7 +43,7 @@ import torch
 from numatp.backend.registry import backend_of, compiled_by_numatp
 from numatp.runtime.group import callers_threads
 
-__all__ = ["Generation", "generate", "generate_timed", "static_cache"]
+__all__ = ["Generation", "argmax", "generate", "generate_timed", "static_cache"]
 
 _CACHE_STEP = 64    # cache lengths are rounded up to a multiple: nearby prompt lengths share a decode program
 PROMPT_BUCKET = 32  # prompts are left-padded to a multiple: nearby prompt lengths share a prompt program
@@ -187,6 +187,7 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
         # transformers 5 names the cache argument ``cache`` (``past_key_values`` is deprecated there)
         cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         unfinished = torch.ones(batch, dtype=torch.bool)
+        finished = False   # whether some row has ended (its later tokens are pad)
         eos_t = torch.tensor(eos, dtype=torch.long)
         sequences = [ids]
         t0 = time.perf_counter()
@@ -216,17 +217,41 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                     if backend is not None and backend.hosts is not None:   # one draw for every process
                         backend.hosts.broadcast(token)
                 else:
-                    token = logits.argmax(-1)
-                token = torch.where(unfinished, token, torch.full_like(token, pad))
+                    token = argmax(logits)
+                if finished:
+                    token = torch.where(unfinished, token, torch.full_like(token, pad))
                 sequences.append(token[:, None])
                 if eos:
                     unfinished &= ~torch.isin(token, eos_t)
+                    finished = not bool(unfinished.all())
                     if not bool(unfinished.any()):
                         break
         end = time.perf_counter()
     first = (decode_start or end) - t0
     return Generation(torch.cat(sequences, 1), prompt, len(sequences) - 1, first,
                       end - decode_start if decode_start is not None else 0.0)
+
+
+_BLOCK = 256
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``(rows, vocabulary)`` logits: each row's first index of its largest value
+    (NaN counting as largest), as ATen's argmax gives it, in less time on one thread. ATen's argmax walks a
+    row one value at a time; its ``amax`` is vectorised. So: the maximum of each block of 256 values, the
+    first block holding the row's maximum, the first index of it in that block. Measured on one core of a
+    Zen 5, fp32: qwen2.5's 151936 logits 78 us by argmax, 25 us so; 8 rows of gpt2's 50257, 204 and 43 us
+    (ATen's amax of bf16 is no faster than widening to fp32 first)."""
+    rows, vocab = logits.shape
+    blocks = vocab // _BLOCK
+    if blocks < 2:
+        return logits.argmax(-1)
+    peaks = logits[:, :blocks * _BLOCK].reshape(rows, blocks, _BLOCK).amax(-1)
+    if blocks * _BLOCK < vocab:
+        peaks = torch.cat([peaks, logits[:, blocks * _BLOCK:].amax(-1, keepdim=True)], 1)
+    # the block's indices (the last, shorter block repeats the last index: its first copy is found first)
+    where = (peaks.argmax(-1, keepdim=True) * _BLOCK + torch.arange(_BLOCK)).clamp_(max=vocab - 1)
+    return where.gather(1, logits.gather(1, where).argmax(-1, keepdim=True))[:, 0]
 
 
 def _generation_lock(compiled: Any) -> list[Any]:

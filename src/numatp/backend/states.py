@@ -46,6 +46,7 @@ class StateStore:
         self._layouts: dict[int, int] = {}   # how each caller tensor is split: its layout code
         self._codes: dict[Placement, int] = {}
         self._placements: list[Placement | None] = [None]   # code -> placement (None: replicated)
+        self._followers: weakref.WeakSet[Any] = weakref.WeakSet()   # whose ``bound`` names tensors of this store
 
     def code(self, placement: Placement) -> int:
         """The layout code of ``placement`` in this store (0 for ``Replicate``)."""
@@ -130,12 +131,17 @@ class StateStore:
                 return numa_clone(part, self.topology.sockets[rank].node, strict=self.strict)
             return part.clone(memory_format=torch.contiguous_format)
 
-    def write_back(self, users: list[torch.Tensor]) -> None:
-        """Copy socket 0's values of replicated states into the caller's tensors ``users`` (one
-        ``_foreach_copy_``: a decode step writes back a length per layer)."""
+    def replicated(self, users: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Socket 0's copies of the replicated states ``users`` (made by :meth:`get`): after a call, their
+        values go back into the caller's tensors, so that a cache's length reads right outside the model."""
         made = self._made
-        with torch.no_grad():
-            torch._foreach_copy_(users, [made[(id(u), 0, 0)][0] for u in users])
+        return [made[(id(u), 0, 0)][0] for u in users]
+
+    def follow(self, holder: Any) -> None:
+        """Set ``holder.bound`` to None whenever this store forgets a tensor: ``holder`` keeps what it looked
+        up here under the ids of the caller's tensors (:class:`numatp.backend.variants.Variant`), and a
+        forgotten tensor's id may name another tensor next; nor should ``holder`` keep the copies alive."""
+        self._followers.add(holder)
 
     def reload(self, replicated_only: bool = False) -> None:
         """Copy the caller's values into every socket's copy of every state again (``replicated_only``: of
@@ -150,6 +156,8 @@ class StateStore:
                     local.copy_(shard_tensor(source.detach(), placement, key[2]))
 
     def _forget(self, ident: int) -> None:
+        for holder in list(self._followers):
+            holder.bound = None
         self._sources.pop(ident, None)
         self._layouts.pop(ident, None)
         for key in [k for k in self._made if k[0] == ident]:

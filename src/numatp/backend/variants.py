@@ -69,7 +69,7 @@ RELEASED = ("this numatp-compiled model was released (collected, or its backend 
             "and weight shards are gone; compile the model again")
 
 
-@dataclass
+@dataclass(eq=False)   # hashed by identity: the state store keeps a weak set of the variants that read it
 class Variant:
     plan: Plan
     executor: ShardedExecutor | None
@@ -89,27 +89,57 @@ class Variant:
         self._states = [[(i, bd, self.states.code(bd.placement)) for i, bd in enumerate(b) if bd.state]
                         for b in self.bindings]
         self._held = [keep_cpp_references(w) for w in self.weights or []]
+        # the call's inputs that name states, and what they were bound to last (``_bound``): a decode step
+        # passes the same cache tensors at every call, and looking up their copies again was most of the
+        # arguments' cost; the store drops ``bound`` whenever it forgets a tensor (``StateStore.follow``)
+        self._state_inputs = sorted({bd.index for b in self._states for _, bd, _ in b})
+        self.bound: tuple[tuple[int, ...], list[list[Any]], list[Any]] | None = None
+        if self._state_inputs and self.states is not None:
+            self.states.follow(self)
 
     def local_args(self, args: tuple[Any, ...]) -> list[list[Any]]:
         """Each socket's program arguments: the weights made at build time, this call's activations, and
         the socket's copies of the states this call's inputs name."""
+        return self._fill(self._bound(args)[1], args)
+
+    def _fill(self, templates: list[list[Any]], args: tuple[Any, ...]) -> list[list[Any]]:
         out = []
-        get = self.states.get
-        for r, weights in enumerate(self.weights):
-            local = list(weights)
+        for r, template in enumerate(templates):
+            local = template.copy()
             for i, src in self._inputs[r]:
                 local[i] = args[src]
-            for i, bd, code in self._states[r]:
-                local[i] = get(args[bd.index], bd, r, code)
             out.append(local)
         return out
+
+    def _bound(self, args: tuple[Any, ...]) -> tuple[tuple[int, ...], list[list[Any]], list[Any]]:
+        """``(ids, templates, replicated)``: the ids of the state inputs in ``args``; per socket its weights
+        with its copies of those states in place; socket 0's copies of the replicated ones (in
+        ``_write_backs``' order). Kept while the same tensors come: while the store follows a tensor, its
+        id names it."""
+        ids = tuple([id(args[i]) for i in self._state_inputs])
+        bound = self.bound
+        if bound is not None and bound[0] == ids:
+            return bound
+        get = self.states.get
+        templates = []
+        for r, weights in enumerate(self.weights):
+            local = list(weights)
+            for i, bd, code in self._states[r]:
+                local[i] = get(args[bd.index], bd, r, code)
+            templates.append(local)
+        bound = (ids, templates, self.states.replicated([args[i] for i in self._write_backs]))
+        if self._state_inputs:
+            self.bound = bound
+        return bound
 
     def __call__(self, *args: Any) -> Any:
         if self.baseline is not None:
             return self.baseline(*args)
-        out = self.executor.run(self.local_args(args))
-        if self._write_backs:
-            self.states.write_back([args[i] for i in self._write_backs])
+        _, templates, replicated = self._bound(args)
+        out = self.executor.run(self._fill(templates, args))
+        if replicated:
+            with torch.no_grad():
+                torch._foreach_copy_([args[i] for i in self._write_backs], replicated)
         return out
 
 

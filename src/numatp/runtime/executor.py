@@ -89,6 +89,10 @@ class ShardedExecutor:
         self.reads = reads if reads is not None else [{} for _ in programs]
         self.gemm_choices = gemm_choices or []
         self.performed = {"all_reduce": 0, "all_gather": 0}   # collectives completed by every socket
+        # the all-gathers whose full tensor each call allocates (a decode step's program has a few hundred
+        # steps, and an all-gather or two)
+        self._gathers = [s for s in programs[0].steps if isinstance(s, Collective) and s.kind == "all_gather"
+                         and (group.size > 1 or hosts is not None)] if programs else []
 
     @property
     def inline_reductions(self) -> bool:
@@ -122,8 +126,7 @@ class ShardedExecutor:
         # with other hosts, zeros where their columns go, summed across the hosts when the workers are done
         new = torch.empty if hosts is None else torch.zeros
         slots = {s.tag: new(s.full[0], dtype=s.full[1])  # type: ignore[index]  # an all-gather has full
-                 for s in self.programs[0].steps
-                 if isinstance(s, Collective) and s.kind == "all_gather" and (size > 1 or hosts is not None)}
+                 for s in self._gathers}
         relay: dict[int, torch.Tensor] = {}   # with other hosts: socket 0's cross-host totals, by tag
         sync = self.sync_seconds
         gathered = self.gather_seconds

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from numatp.backend.registry import backend_of, compiled_by_numatp
-from numatp.generate import _warpers, static_cache
+from numatp.generate import _warpers, argmax, static_cache
 from numatp.runtime.group import callers_threads
 from numatp.serve.metrics import Metrics
 
@@ -591,7 +591,7 @@ class Engine:
         self._sample_and_emit(active, logits, time.perf_counter())
 
     def _sample_and_emit(self, rows: list[int], logits: torch.Tensor, now: float) -> None:
-        greedy = logits.argmax(-1)
+        greedy = argmax(logits)
         for i in rows:
             slot = self._slots[i]
             assert slot is not None
