@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -59,7 +60,15 @@ struct QW {
 // its row of the blocks of NR channels after (NR rows down each), not into the next row, which another channel
 // of the block is reading already (an int4 row of K = 1024 is 512 bytes: a fixed distance along the
 // memory prefetched little but lines already loaded, and the stream ran at 5-6 GB/s instead of 9-10).
-constexpr std::int64_t kAheadBytes = 1024;
+//
+// A decode step's single row (MR = 1) reads a block's channels one after another, each in chains of sums
+// of its own (the caller's channels follow each other in memory): the weight is one stream, fetched 2 KiB
+// ahead, not NR streams side by side. One Zen 4 core, 48 weights of 4096 x 1024 in turn (from memory),
+// bf16 x, the two kernels alternated, GB/s: int8 8.5-10.1 with NR streams, 17.0-17.2 as one; int4:g64
+// 10.3-11.8 and 15.1-17.2 (fp32 x 6.5 and 8.1); qwen2.5-0.5b's 2432 x 896: int8 8.5-9.2 and 15.7-16.0,
+// int4 11.0-11.8 and 14.8-15.3. A distance of 1 KiB ran int4 at 13.1-13.4 GB/s, of 3-8 KiB int8 at
+// 13.7-15.6. Two to four rows keep NR streams (the weight's values serve every row once loaded).
+constexpr std::int64_t kAheadBytes = 2048;
 inline const void* along(const void* row_start, std::int64_t at, std::int64_t row, std::int64_t next) {
   const char* p = static_cast<const char*>(row_start);
   const std::int64_t to = at + kAheadBytes;
@@ -104,9 +113,31 @@ inline void load_i4(const std::uint8_t* p, vf* out) {
 }
 #endif
 
+// int8, fp32 x, one row: channel n's s[n] * sum_k x[k] q[n, k] in four chains of sums; the caller's
+// channels follow each other in memory, so reading them in turn is one stream, fetched ahead across rows
+inline float i8_f32_row(const QW& w, const float* x, std::int64_t n) {
+  const std::int64_t k = w.k;
+  const std::int8_t* q = reinterpret_cast<const std::int8_t*>(w.q) + n * k;
+  vf a[4] = {vzero(), vzero(), vzero(), vzero()};
+  std::int64_t i = 0;
+  for (; i + 4 * kLanes <= k; i += 4 * kLanes) {
+    if (i % 64 == 0) ahead(q + i + kAheadBytes);   // on into the next channels' rows
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) a[u] = vfma(vload(x + i + u * kLanes), load_i8(q + i + u * kLanes), a[u]);
+  }
+  for (; i + kLanes <= k; i += kLanes) a[0] = vfma(vload(x + i), load_i8(q + i), a[0]);
+  float t = vsum(vadd(vadd(a[0], a[1]), vadd(a[2], a[3])));
+  for (; i < k; ++i) t += x[i] * float(q[i]);
+  return t * w.s[n];
+}
+
 // int8, fp32 x: res[r][j] = s[n] * sum_k x[r, k] q[n, k] for channels n0 .. n0 + NR
 template <int MR, int NR>
 void i8_f32(const QW& w, const float* x, std::int64_t n0, float (*res)[NR]) {
+  if constexpr (MR == 1) {
+    for (int j = 0; j < NR; ++j) res[0][j] = i8_f32_row(w, x, n0 + j);
+    return;
+  }
   const std::int64_t k = w.k;
   vf acc[MR][NR];
   for (int r = 0; r < MR; ++r)
@@ -145,22 +176,27 @@ void i4_f32(const QW& w, const float* x, std::int64_t n0, float (*res)[NR]) {
     for (int j = 0; j < NR; ++j) acc[r][j] = vzero();
   const std::uint8_t* q = w.q + n0 * row;
   vf wv[128 / kLanes];   // one group of one channel (up to 128 values)
-  for (std::int64_t gi = 0; gi < w.groups; ++gi) {
+  auto step = [&](std::int64_t gi, int j) {
     const std::int64_t k0 = gi * g;
-    for (int j = 0; j < NR; ++j) {
-      const std::uint8_t* p = q + j * row + k0 / 2;
-      for (std::int64_t b = 0; b < g / 32; ++b) {
-        if (b % 4 == 0) ahead(along(q + j * row, k0 / 2 + 16 * b, row, NR * row));
-        load_i4(p + 16 * b, wv + b * kBlockVecs);
-      }
-      const vf sv = vset(w.s[(n0 + j) * w.groups + gi]);
-      for (int r = 0; r < MR; ++r) {
-        const float* xr = x + r * k + k0;
-        vf t = vzero();
-        for (std::int64_t v = 0; v < g / kLanes; ++v) t = vfma(vload(xr + v * kLanes), wv[v], t);
-        acc[r][j] = vfma(t, sv, acc[r][j]);
-      }
+    const std::uint8_t* p = q + j * row + k0 / 2;
+    for (std::int64_t b = 0; b < g / 32; ++b) {
+      if (b % 4 == 0) ahead(MR == 1 ? p + 16 * b + kAheadBytes : along(q + j * row, k0 / 2 + 16 * b, row, NR * row));
+      load_i4(p + 16 * b, wv + b * kBlockVecs);
     }
+    const vf sv = vset(w.s[(n0 + j) * w.groups + gi]);
+    for (int r = 0; r < MR; ++r) {
+      const float* xr = x + r * k + k0;
+      vf t = vzero();
+      for (std::int64_t v = 0; v < g / kLanes; ++v) t = vfma(vload(xr + v * kLanes), wv[v], t);
+      acc[r][j] = vfma(t, sv, acc[r][j]);
+    }
+  };
+  if constexpr (MR == 1) {   // one row: channel after channel, one stream (see kAheadBytes)
+    for (int j = 0; j < NR; ++j)
+      for (std::int64_t gi = 0; gi < w.groups; ++gi) step(gi, j);
+  } else {
+    for (std::int64_t gi = 0; gi < w.groups; ++gi)
+      for (int j = 0; j < NR; ++j) step(gi, j);
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) res[r][j] = vsum(acc[r][j]);
@@ -204,16 +240,20 @@ void i4_bf16(const QW& w, const u16* xr, const float* corr, std::int64_t n0, flo
   const __m512i by_group = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                            : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
                                      : _mm512_setzero_si512();
-  __m512 acc[MR][NR];
-  for (int r = 0; r < MR; ++r)
+  __m512 acc[MR][NR], alt[MR];
+  for (int r = 0; r < MR; ++r) {
+    alt[r] = _mm512_setzero_ps();
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
   const std::uint8_t* q = w.q + n0 * row;
   // one chunk of 128 values from c; Full: all 64 bytes are in the row, read by plain loads. Masks only
   // for a row's last, partial chunk: with a masked load of each chunk's scales, int4 streamed from memory
   // at 11 GB/s (groups of 32) and 19 GB/s (64) against 20 and 27 GB/s with plain loads (one Zen 5 core,
   // 48 weights of 4096 x 1024, the two alternated in one process; groups of 128 broadcast their scale).
-  auto chunk = [&](std::int64_t c, auto full_c) {
+  // channels [J0, J1) of the block; one row (MR = 1) takes them one at a time, a stream (see kAheadBytes)
+  auto chunk = [&](std::int64_t c, auto full_c, auto j0_c, auto j1_c) {
     constexpr bool Full = decltype(full_c)::value;
+    constexpr int J0 = decltype(j0_c)::value, J1 = decltype(j1_c)::value;
     const std::int64_t bytes = Full ? 64 : (k - c) / 2;
     const __mmask64 bm = Full ? ~__mmask64(0) : (__mmask64)((1ull << bytes) - 1);
     const __mmask8 gm = (__mmask8)((1u << std::max<std::int64_t>(1, 2 * bytes / g)) - 1);
@@ -223,9 +263,10 @@ void i4_bf16(const QW& w, const u16* xr, const float* corr, std::int64_t n0, flo
     for (int r = 0; r < MR; ++r)
       for (int p = 0; p < 4; ++p) xv[r][p] = _mm512_loadu_si512(xr + r * kp + c + 32 * p);
 #pragma GCC unroll 16
-    for (int j = 0; j < NR; ++j) {
+    for (int j = J0; j < J1; ++j) {
       const std::uint8_t* p = q + j * row + c / 2;
-      ahead(along(q + j * row, c / 2, row, NR * row));
+      if constexpr (MR == 1) ahead(p + kAheadBytes);
+      else ahead(along(q + j * row, c / 2, row, NR * row));
       const __m512i v = Full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(bm, p);
       // (nibble & 15) | 0x4300: bf16 of 128 + q, exact
       const __m512i w0 = _mm512_ternarylogic_epi32(v, low4, magic, 0xEA);
@@ -247,13 +288,28 @@ void i4_bf16(const QW& w, const u16* xr, const float* corr, std::int64_t n0, flo
         __m512 t1 = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)xv[r][1], (__m512bh)w1);
         t0 = _mm512_dpbf16_ps(t0, (__m512bh)xv[r][2], (__m512bh)w2);
         t1 = _mm512_dpbf16_ps(t1, (__m512bh)xv[r][3], (__m512bh)w3);
-        acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), sv, acc[r][j]);
+        if constexpr (MR == 1) {   // one channel at a time: two chains of chunks, not one
+          if ((c / 128) & 1) alt[r] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), sv, alt[r]);
+          else acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), sv, acc[r][j]);
+        } else {
+          acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), sv, acc[r][j]);
+        }
       }
     }
   };
   const std::int64_t whole = k / 128 * 128;
-  for (std::int64_t c = 0; c < whole; c += 128) chunk(c, std::true_type{});
-  if (whole < kp) chunk(whole, std::false_type{});
+  auto channels = [&](auto j0_c, auto j1_c) {
+    for (std::int64_t c = 0; c < whole; c += 128) chunk(c, std::true_type{}, j0_c, j1_c);
+    if (whole < kp) chunk(whole, std::false_type{}, j0_c, j1_c);
+  };
+  if constexpr (MR == 1) {
+    [&]<int... J>(std::integer_sequence<int, J...>) {
+      ((channels(std::integral_constant<int, J>{}, std::integral_constant<int, J + 1>{}),
+        acc[0][J] = _mm512_add_ps(acc[0][J], alt[0]), alt[0] = _mm512_setzero_ps()), ...);
+    }(std::make_integer_sequence<int, NR>{});
+  } else {
+    channels(std::integral_constant<int, 0>{}, std::integral_constant<int, NR>{});
+  }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) res[r][j] = _mm512_reduce_add_ps(acc[r][j]);
 }
