@@ -254,3 +254,39 @@ def test_auto_policy_counts_only_blocks_the_pass_can_shard():
     (out,) = run_reference([localize(ag, plan, r) for r in range(2)], real)
     with torch.no_grad():
         assert_close_to_eager(out, model(x), "auto with a replicated block")
+
+
+class _HeadSplitAttention(torch.nn.Module):
+    """Multi-query attention as transformers (5.25 and later) writes Falcon's: the fused projection viewed
+    as heads of head_dim, then split by heads into 8 query heads, one key and one value head."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, (8 + 2) * 8, bias=False)
+        self.dense = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, -1, 8).split([8, 1, 1], dim=-2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.dense(o.transpose(1, 2).reshape(b, s, 64)) + x
+
+
+@pytest.mark.parametrize("sockets", [2, 4])
+def test_a_projection_split_by_heads_is_cut_at_whole_heads(sockets):
+    # the split's sizes count heads: the cuts fall at features 64 and 72 (q | k | v), so the query heads are
+    # sharded and the single key and value heads are computed by every socket
+    model = _HeadSplitAttention().eval()
+    x = torch.randn(1, 12, 64, generator=torch.Generator().manual_seed(0))
+    (ag, real), = capture(model, x)
+    plan = plan_graph(ag, sockets)
+    (attn,) = [b for b in plan.blocks if b.kind == "attention"]
+    assert attn.sharded, attn.reason
+    (qkv,) = plan.weights["qkv.weight"]
+    per = 64 // sockets
+    held = [[i for lo, hi in s.intervals for i in range(lo, hi)] for s in qkv.placement.splits]
+    assert held == [[*range(r * per, (r + 1) * per), *range(64, 80)] for r in range(sockets)]
+    (out,) = run_reference([localize(ag, plan, r) for r in range(sockets)], real)
+    with torch.no_grad():
+        assert_close_to_eager(out, model(x), "head split")

@@ -206,7 +206,7 @@ def column_segments(mm: WeightMatmul) -> list[tuple[int, int, int]]:
                          if t is aten.split.Tensor else list(user.args[1]))
                 starts = [sum(sizes[:k]) for k in range(len(sizes))]
                 for s in starts:
-                    cuts.add(offset + s)
+                    cuts.add(offset + s * scale)   # a split of heads (Falcon's q | k | v by heads) cuts whole heads
                 for g in user.users:
                     k = g.args[1]
                     todo.append((g, dim, offset + starts[k] * scale, sizes[k] * scale, scale))
