@@ -67,7 +67,9 @@ struct QW {
 // bf16 x, the two kernels alternated, GB/s: int8 8.5-10.1 with NR streams, 17.0-17.2 as one; int4:g64
 // 10.3-11.8 and 15.1-17.2 (fp32 x 6.5 and 8.1); qwen2.5-0.5b's 2432 x 896: int8 8.5-9.2 and 15.7-16.0,
 // int4 11.0-11.8 and 14.8-15.3. A distance of 1 KiB ran int4 at 13.1-13.4 GB/s, of 3-8 KiB int8 at
-// 13.7-15.6. Two to four rows keep NR streams (the weight's values serve every row once loaded).
+// 13.7-15.6. Two to four rows keep NR streams: there the arithmetic bounds the rate, and reading their
+// channels one after another measured no better (3 rows: int8 8.0 and 8.2 GB/s, int4 9.1 and 7.5; 4 rows:
+// int8 8.2 and 6.8).
 constexpr std::int64_t kAheadBytes = 2048;
 inline const void* along(const void* row_start, std::int64_t at, std::int64_t row, std::int64_t next) {
   const char* p = static_cast<const char*>(row_start);
