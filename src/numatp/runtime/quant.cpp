@@ -242,11 +242,10 @@ void i4_bf16(const QW& w, const u16* xr, const float* corr, std::int64_t n0, flo
   const __m512i by_group = g == 32 ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)
                            : g == 64 ? _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1)
                                      : _mm512_setzero_si512();
-  __m512 acc[MR][NR], alt[MR];
-  for (int r = 0; r < MR; ++r) {
-    alt[r] = _mm512_setzero_ps();
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
-  }
+  __m512 alt = _mm512_setzero_ps();   // one row: the current channel's second chain (odd chunks)
   const std::uint8_t* q = w.q + n0 * row;
   // one chunk of 128 values from c; Full: all 64 bytes are in the row, read by plain loads. Masks only
   // for a row's last, partial chunk: with a masked load of each chunk's scales, int4 streamed from memory
@@ -291,7 +290,7 @@ void i4_bf16(const QW& w, const u16* xr, const float* corr, std::int64_t n0, flo
         t0 = _mm512_dpbf16_ps(t0, (__m512bh)xv[r][2], (__m512bh)w2);
         t1 = _mm512_dpbf16_ps(t1, (__m512bh)xv[r][3], (__m512bh)w3);
         if constexpr (MR == 1) {   // one channel at a time: two chains of chunks, not one
-          if ((c / 128) & 1) alt[r] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), sv, alt[r]);
+          if ((c / 128) & 1) alt = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), sv, alt);
           else acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), sv, acc[r][j]);
         } else {
           acc[r][j] = _mm512_fmadd_ps(_mm512_add_ps(t0, t1), sv, acc[r][j]);
@@ -307,7 +306,7 @@ void i4_bf16(const QW& w, const u16* xr, const float* corr, std::int64_t n0, flo
   if constexpr (MR == 1) {
     [&]<int... J>(std::integer_sequence<int, J...>) {
       ((channels(std::integral_constant<int, J>{}, std::integral_constant<int, J + 1>{}),
-        acc[0][J] = _mm512_add_ps(acc[0][J], alt[0]), alt[0] = _mm512_setzero_ps()), ...);
+        acc[0][J] = _mm512_add_ps(acc[0][J], alt), alt = _mm512_setzero_ps()), ...);
     }(std::make_integer_sequence<int, NR>{});
   } else {
     channels(std::integral_constant<int, 0>{}, std::integral_constant<int, NR>{});
