@@ -1,0 +1,154 @@
+"""Where a decode step's time goes: the whole step against its weight matmuls alone, in one process.
+
+The model is compiled by numatp on ``--sockets`` virtual sockets (with ``--weights``, quantized) and
+generates once untimed. The decode step's program is the variant that ran most often in a second
+generation; each socket's weight matmuls are read off its compiled segments (every ``numatp::linear``
+call, with the operand the program holds: packed or quantized as the GEMM pass left it) and its GEMM
+steps. Then, round after round, the script times a whole greedy generation (decode ms per token) and
+the matmuls alone replayed on the sockets' own threads, every socket at once as in a step (called from
+Python one by one, so the replay carries a few microseconds of dispatch per call that the compiled step
+does not). The difference is the step's other work: its all-reduces (and the waiting in them), the
+attention, norms and small kernels, the segments' entries, the token loop.
+
+    python benchmarks/decode_split.py qwen2.5-0.5b --weights int4
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+import warnings
+
+
+def _decode_variant(compiled, generate):
+    """The variant of ``compiled``'s backend that runs a decode step: the one called most in a generation."""
+    from numatp.backend.registry import backend_of
+
+    variants = [v for g in backend_of(compiled).graphs for v in g.variants.values() if v.executor is not None]
+    calls: collections.Counter = collections.Counter()
+    originals = {}
+    for i, v in enumerate(variants):
+        originals[i] = v.executor.run
+
+        def counted(local, i=i):
+            calls[i] += 1
+            return originals[i](local)
+        v.executor.run = counted
+    try:
+        generate()
+    finally:
+        for v in variants:
+            del v.executor.run   # back to the class's method
+    return variants[calls.most_common(1)[0][0]]
+
+
+def _matmuls(variant) -> tuple[list[list[tuple]], int]:
+    """Per socket, its weight matmuls as ``(op, x, operand, args)``; and how many gathered matmuls (an LM
+    head that writes its columns in place) the replay leaves out."""
+    import torch
+
+    from numatp.runtime.gemm import PROVIDERS, GemmStep
+    from numatp.runtime.segments import Collective, Segment
+
+    executor = variant.executor
+    templates = variant.bound[1] if variant.bound is not None else None
+    if templates is None:
+        raise SystemExit("decode_split: the decode step's arguments were not kept (no state inputs?)")
+    per_socket, skipped = [], 0
+    for rank, prog in enumerate(executor.programs):
+        env = dict(zip(prog.placeholders, templates[rank]))
+        shapes = {}
+        calls = []
+        for step in prog.steps:
+            if isinstance(step, Segment):
+                nodes = list(step.gm.graph.nodes)
+                value = dict(zip([n.name for n in nodes if n.op == "placeholder"], [env.get(k) for k in step.inputs]))
+                for n in nodes:
+                    if n.op == "call_function" and n.target is torch.ops.numatp.linear.default:
+                        x, w, bias, *rest = n.args
+                        fake = x.meta["val"]
+                        calls.append((n.target, torch.randn(fake.shape).to(fake.dtype), value[w.name],
+                                      (None if bias is None else value[bias.name], *rest)))
+                    elif n.op == "call_function":
+                        shapes[n.name] = n.meta.get("val")
+            elif isinstance(step, GemmStep):
+                fake = shapes.get(step.x)
+                w = env.get(step.w)
+                if fake is None or w is None:
+                    skipped += 1
+                    continue
+                provider = PROVIDERS[step.provider]
+                calls.append((lambda x, w, b, n, k, p=provider: p.call(x, w, b, n, k),
+                              torch.randn(fake.shape).to(fake.dtype), w,
+                              (None if step.bias is None else env.get(step.bias), step.n, step.k)))
+            elif isinstance(step, Collective) and step.matmul is not None:
+                skipped += 1
+        per_socket.append(calls)
+    return per_socket, skipped
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="zoo preset (a decoder)")
+    p.add_argument("--tiny", action="store_true", help="the preset's 2-layer twin (a quick check of this script)")
+    p.add_argument("--weights", default=None, help="int8, int4, int4:g32 ... (default: the model's dtype)")
+    p.add_argument("--dtype", default="bfloat16", help="activations and unquantized weights (default bfloat16)")
+    p.add_argument("--sockets", type=int, default=2, help="virtual sockets (default 2)")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--replays", type=int, default=15, help="replays of the matmuls per round (default 15)")
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+
+    import torch
+
+    import numatp
+    from numatp import zoo
+    from numatp.generate import generate_timed
+    from numatp.topology import Topology
+
+    model = zoo.build(args.model, dtype=getattr(torch, args.dtype), tiny=args.tiny)
+    compiled = numatp.compile(model, sockets=Topology.virtual(sockets=args.sockets), weights=args.weights)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+
+    def generate():
+        return generate_timed(compiled, ids, max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=[],
+                              pad_token_id=0)
+
+    generate()
+    variant = _decode_variant(compiled, generate)
+    calls, skipped = _matmuls(variant)
+    group = variant.executor.group
+
+    def replay(rank):
+        for op, x, w, rest in calls[rank]:
+            op(x, w, *rest)
+        return [None]
+
+    steps, alone = [], []
+    for _ in range(args.rounds):
+        steps.append(1000 / generate().decode_tokens_per_second)
+        group.run(replay)
+        times = []
+        for _ in range(args.replays):
+            t0 = time.perf_counter()
+            group.run(replay)
+            times.append(time.perf_counter() - t0)
+        alone.append(1000 * statistics.median(times))
+    step, matmuls = statistics.median(steps), statistics.median(alone)
+    row = {"model": args.model, "weights": args.weights or args.dtype, "sockets": args.sockets,
+           "matmuls_per_socket": [len(c) for c in calls], "left_out": skipped,
+           "step_ms": [round(s, 2) for s in steps], "matmuls_ms": [round(a, 2) for a in alone]}
+    print(json.dumps(row))
+    print(f"{args.model} {row['weights']}, {args.sockets} virtual sockets: decode step {step:.2f} ms (median of "
+          f"{args.rounds}), its {len(calls[0])} weight matmuls per socket alone {matmuls:.2f} ms "
+          f"({matmuls / step:.0%}); the rest {step - matmuls:.2f} ms"
+          + (f"; {skipped} matmuls not replayed" if skipped else ""))
+
+
+if __name__ == "__main__":
+    main()
