@@ -42,6 +42,8 @@ def _decode_variant(compiled, generate):
     finally:
         for v in variants:
             del v.executor.run   # back to the class's method
+    if not calls:
+        raise SystemExit("decode_split: no numatp program ran in a generation (was the model compiled by numatp?)")
     return variants[calls.most_common(1)[0][0]]
 
 
