@@ -48,18 +48,19 @@ def _decode_variant(compiled, generate):
 
 
 def _matmuls(variant) -> tuple[list[list[tuple]], int]:
-    """Per socket, its weight matmuls as ``(op, x, operand, args)``; and how many gathered matmuls (an LM
-    head that writes its columns in place) the replay leaves out."""
+    """Per socket, its weight matmuls as ``(op, x, operand, args)``; and how many weight matmuls of the
+    program the replay leaves out."""
     import torch
 
+    from numatp.plan.gemm_pass import report_rows
     from numatp.runtime.gemm import PROVIDERS, GemmStep
-    from numatp.runtime.segments import Collective, Segment
+    from numatp.runtime.segments import Segment
 
     executor = variant.executor
     templates = variant.bound[1] if variant.bound is not None else None
     if templates is None:
         raise SystemExit("decode_split: the decode step's arguments were not kept (no state inputs?)")
-    per_socket, skipped = [], 0
+    per_socket = []
     for rank, prog in enumerate(executor.programs):
         env = dict(zip(prog.placeholders, templates[rank]))
         shapes = {}
@@ -74,22 +75,26 @@ def _matmuls(variant) -> tuple[list[list[tuple]], int]:
                         fake = x.meta["val"]
                         calls.append((n.target, torch.randn(fake.shape).to(fake.dtype), value[w.name],
                                       (None if bias is None else value[bias.name], *rest)))
-                    elif n.op == "call_function":
-                        shapes[n.name] = n.meta.get("val")
+                out = next(n for n in nodes if n.op == "output").args[0]
+                for key, node in zip(step.outputs, out if isinstance(out, (list, tuple)) else [out]):
+                    if isinstance(node, torch.fx.Node):
+                        shapes[key] = node.meta.get("val")   # what a GEMM step after the segment reads
             elif isinstance(step, GemmStep):
                 fake = shapes.get(step.x)
                 w = env.get(step.w)
                 if fake is None or w is None:
-                    skipped += 1
-                    continue
+                    continue   # counted below
                 provider = PROVIDERS[step.provider]
                 calls.append((lambda x, w, b, n, k, p=provider: p.call(x, w, b, n, k),
                               torch.randn(fake.shape).to(fake.dtype), w,
                               (None if step.bias is None else env.get(step.bias), step.n, step.k)))
-            elif isinstance(step, Collective) and step.matmul is not None:
-                skipped += 1
         per_socket.append(calls)
-    return per_socket, skipped
+    # every weight matmul the GEMM pass gave a provider (not a quantized table's lookup, listed beside them):
+    # those not replayed (an ATen matmul Inductor compiled into a segment, an LM head gathered in place) are
+    # counted, not hidden
+    chosen = collections.Counter(row["rank"] for row in report_rows(executor.gemm_choices)
+                                 if row["provider"] != "qembedding")
+    return per_socket, sum(max(0, chosen[rank] - len(calls)) for rank, calls in enumerate(per_socket))
 
 
 def main() -> None:
