@@ -109,6 +109,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     p.add_argument("--replays", type=int, default=15, help="replays of the matmuls per round (default 15)")
     args = p.parse_args()
+    for name, least in (("new_tokens", 2), ("prompt", 1), ("rounds", 1), ("replays", 1), ("sockets", 1)):
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least {least}"
+                    + (" (a decode step follows the first token)" if name == "new_tokens" else ""))
     warnings.filterwarnings("ignore")
 
     import torch
