@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 
 
 def _decode_variant(compiled, generate):
@@ -47,13 +49,13 @@ def _decode_variant(compiled, generate):
     return variants[calls.most_common(1)[0][0]]
 
 
-def _matmuls(variant) -> tuple[list[list[tuple]], int]:
-    """Per socket, its weight matmuls as ``(op, x, operand, args)``; and how many weight matmuls of the
-    program the replay leaves out."""
+def _matmuls(variant) -> tuple[list[list[Callable[[], object]]], int]:
+    """Per socket, its weight matmuls, each a call with its operands bound; and how many weight matmuls of
+    the program the replay leaves out."""
     import torch
 
     from numatp.plan.gemm_pass import report_rows
-    from numatp.runtime.gemm import PROVIDERS, GemmStep
+    from numatp.runtime.gemm import GemmStep
     from numatp.runtime.segments import Segment
 
     executor = variant.executor
@@ -73,8 +75,9 @@ def _matmuls(variant) -> tuple[list[list[tuple]], int]:
                     if n.op == "call_function" and n.target is torch.ops.numatp.linear.default:
                         x, w, bias, *rest = n.args
                         fake = x.meta["val"]
-                        calls.append((n.target, torch.randn(fake.shape).to(fake.dtype), value[w.name],
-                                      (None if bias is None else value[bias.name], *rest)))
+                        calls.append(functools.partial(n.target, torch.randn(fake.shape).to(fake.dtype),
+                                                       value[w.name], None if bias is None else value[bias.name],
+                                                       *rest))
                 out = next(n for n in nodes if n.op == "output").args[0]
                 for key, node in zip(step.outputs, out if isinstance(out, (list, tuple)) else [out]):
                     if isinstance(node, torch.fx.Node):
@@ -84,10 +87,10 @@ def _matmuls(variant) -> tuple[list[list[tuple]], int]:
                 w = env.get(step.w)
                 if fake is None or w is None:
                     continue   # counted below
-                provider = PROVIDERS[step.provider]
-                calls.append((lambda x, w, b, n, k, p=provider: p.call(x, w, b, n, k),
-                              torch.randn(fake.shape).to(fake.dtype), w,
-                              (None if step.bias is None else env.get(step.bias), step.n, step.k)))
+                operands = {step.x: torch.randn(fake.shape).to(fake.dtype), step.w: w}
+                if step.bias:
+                    operands[step.bias] = env.get(step.bias)
+                calls.append(functools.partial(step, operands))   # the executor's own call of the step
         per_socket.append(calls)
     # every weight matmul the GEMM pass gave a provider (not a quantized table's lookup, listed beside them):
     # those not replayed (an ATen matmul Inductor compiled into a segment, an LM head gathered in place) are
@@ -136,8 +139,8 @@ def main() -> None:
     group = variant.executor.group
 
     def replay(rank):
-        for op, x, w, rest in calls[rank]:
-            op(x, w, *rest)
+        for call in calls[rank]:
+            call()
         return [None]
 
     steps, alone = [], []
