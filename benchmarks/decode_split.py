@@ -8,7 +8,9 @@ steps. Then, round after round, the script times a whole greedy generation (deco
 the matmuls alone replayed on the sockets' own threads, every socket at once as in a step (called from
 Python one by one, so the replay carries a few microseconds of dispatch per call that the compiled step
 does not). The difference is the step's other work: its all-reduces (and the waiting in them), the
-attention, norms and small kernels, the segments' entries, the token loop.
+attention, norms and small kernels, the segments' entries, the token loop. The weight bytes each socket's
+matmuls read are reported too, and the rate at which the busiest socket reads them, in the matmuls alone
+and over the whole step (against what one core streams from memory, see docs/quantization.md).
 
     python benchmarks/decode_split.py qwen2.5-0.5b --weights int4
 """
@@ -49,9 +51,14 @@ def _decode_variant(compiled, generate):
     return variants[calls.most_common(1)[0][0]]
 
 
-def _matmuls(variant) -> tuple[list[list[Callable[[], object]]], int]:
-    """Per socket, its weight matmuls, each a call with its operands bound; and how many weight matmuls of
-    the program the replay leaves out."""
+def _nbytes(t) -> int:
+    """The bytes a matmul reads of its weight operand ``t`` (packed, quantized or plain)."""
+    return t.numel() * t.element_size()
+
+
+def _matmuls(variant) -> tuple[list[list[Callable[[], object]]], int, list[int]]:
+    """Per socket, its weight matmuls, each a call with its operands bound; how many weight matmuls of the
+    program the replay leaves out; and per socket the bytes of the weight operands the replay reads."""
     import torch
 
     from numatp.plan.gemm_pass import report_rows
@@ -62,11 +69,12 @@ def _matmuls(variant) -> tuple[list[list[Callable[[], object]]], int]:
     templates = variant.bound[1] if variant.bound is not None else None
     if templates is None:
         raise SystemExit("decode_split: the decode step's arguments were not kept (no state inputs?)")
-    per_socket = []
+    per_socket, read = [], []
     for rank, prog in enumerate(executor.programs):
         env = dict(zip(prog.placeholders, templates[rank]))
         shapes = {}
         calls = []
+        weights = 0
         for step in prog.steps:
             if isinstance(step, Segment):
                 nodes = list(step.gm.graph.nodes)
@@ -78,6 +86,7 @@ def _matmuls(variant) -> tuple[list[list[Callable[[], object]]], int]:
                         calls.append(functools.partial(n.target, torch.randn(fake.shape).to(fake.dtype),
                                                        value[w.name], None if bias is None else value[bias.name],
                                                        *rest))
+                        weights += _nbytes(value[w.name])
                 out = next(n for n in nodes if n.op == "output").args[0]
                 for key, node in zip(step.outputs, out if isinstance(out, (list, tuple)) else [out]):
                     if isinstance(node, torch.fx.Node):
@@ -91,13 +100,15 @@ def _matmuls(variant) -> tuple[list[list[Callable[[], object]]], int]:
                 if step.bias:
                     operands[step.bias] = env.get(step.bias)
                 calls.append(functools.partial(step, operands))   # the executor's own call of the step
+                weights += _nbytes(w)
         per_socket.append(calls)
+        read.append(weights)
     # every weight matmul the GEMM pass gave a provider (not a quantized table's lookup, listed beside them):
     # those not replayed (an ATen matmul Inductor compiled into a segment, an LM head gathered in place) are
     # counted, not hidden
     chosen = collections.Counter(row["rank"] for row in report_rows(executor.gemm_choices)
                                  if row["provider"] != "qembedding")
-    return per_socket, sum(max(0, chosen[rank] - len(calls)) for rank, calls in enumerate(per_socket))
+    return per_socket, sum(max(0, chosen[rank] - len(calls)) for rank, calls in enumerate(per_socket)), read
 
 
 def main() -> None:
@@ -135,7 +146,7 @@ def main() -> None:
 
     generate()
     variant = _decode_variant(compiled, generate)
-    calls, skipped = _matmuls(variant)
+    calls, skipped, read = _matmuls(variant)
     group = variant.executor.group
 
     def replay(rank):
@@ -156,12 +167,17 @@ def main() -> None:
     step, matmuls = statistics.median(steps), statistics.median(alone)
     row = {"model": args.model, "weights": args.weights or args.dtype, "sockets": args.sockets,
            "matmuls_per_socket": [len(c) for c in calls], "left_out": skipped,
-           "step_ms": [round(s, 2) for s in steps], "matmuls_ms": [round(a, 2) for a in alone]}
+           "step_ms": [round(s, 2) for s in steps], "matmuls_ms": [round(a, 2) for a in alone],
+           "weight_bytes_per_socket": read}
     print(json.dumps(row))
+    # the socket holding the most weight bytes sets the pace: its stream rate alone and across the step
+    most = max(read)
     print(f"{args.model} {row['weights']}, {args.sockets} virtual sockets: decode step {step:.2f} ms (median of "
           f"{args.rounds}), its {len(calls[0])} weight matmuls per socket alone {matmuls:.2f} ms "
           f"({matmuls / step:.0%}); the rest {step - matmuls:.2f} ms"
           + (f"; {skipped} matmuls not replayed" if skipped else ""))
+    print(f"weights read per socket: {most / 2**20:.1f} MiB (the most of any socket), "
+          f"{most / matmuls / 1e6:.1f} GB/s in the matmuls alone, {most / step / 1e6:.1f} GB/s over the whole step")
 
 
 if __name__ == "__main__":
