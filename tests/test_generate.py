@@ -284,6 +284,62 @@ def test_decode_steps_skip_dynamos_guards_after_a_step_that_compiled_nothing(mon
     assert torch.equal(again, expected) and entered == []
 
 
+def test_decode_steps_after_two_alike_call_numatps_graph_past_dynamo(monkeypatch):
+    # the first two steps under the guard-skip stance (forwards 4 and 5) pass through Dynamo and show that
+    # only the token and its positions change; every later step calls numatp's graph itself
+    gen = importlib.import_module("numatp.generate")
+    fresh_dynamo()
+    model = _tiny("llama")
+    ids, mask = _prompt(model)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    replayed = []
+    real = gen._Replay.__call__
+    monkeypatch.setattr(gen._Replay, "__call__", lambda self, *a: replayed.append(1) or real(self, *a))
+    backend = None
+    for _ in range(2):   # a second generation replays as the first did
+        replayed.clear()
+        calls = backend.calls if backend is not None else 0
+        got = fast.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        backend = backend_of(fast)
+        assert torch.equal(got, expected)
+        assert len(replayed) == 12 - 5 and backend.calls - calls == 12   # every step ran numatp's graph
+
+
+def test_a_decode_step_is_replayed_only_where_two_steps_differ_in_the_token_and_positions_alone():
+    gen = importlib.import_module("numatp.generate")
+
+    class Graph:   # stands for a graph of numatp's backend: records what it is called with
+        def __call__(self, *args):
+            self.got = args
+            return [torch.full((1, 1, 4), 7.0)]
+
+    class Backend:
+        last_call = None
+
+    graph, other, backend = Graph(), Graph(), Backend()
+    weight, cache = torch.zeros(2), torch.zeros(2)
+
+    def two_steps(second=graph, fresh=False, logits_out=True):
+        replay = gen._Replay()
+        for g in (graph, second):
+            ids, pos, logits = torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1, 4)
+            extra = torch.zeros(1) if fresh else cache   # an argument made anew at each step, or the same one
+            backend.last_call = (g, (weight, ids, extra, pos), [logits if logits_out else logits.clone()])
+            replay.observe(backend, ids, pos, logits)
+        return replay
+
+    replay = two_steps()
+    assert replay.ready
+    ids, pos = torch.ones(1, 1), torch.ones(1, 1)
+    logits = replay(ids, pos)
+    assert [a is b for a, b in zip(graph.got, (weight, ids, cache, pos))] == [True] * 4
+    assert torch.equal(logits, torch.full((1, 1, 4), 7.0))
+    assert not two_steps(second=other).ready            # another graph
+    assert not two_steps(fresh=True).ready              # an argument other than the token's made anew
+    assert not two_steps(logits_out=False).ready        # logits not one of the graph's outputs
+
+
 def test_guards_keep_running_where_the_third_forward_compiled():
     # a model that changes guarded state from step to step compiles at every step: every guard stays
     gen = importlib.import_module("numatp.generate")
