@@ -259,14 +259,20 @@ def test_generate_refuses_what_it_cannot_do():
         numatp.generate(numatp.compile(bert, sockets=shared_cpu_topology(2), mode="eager"), ids)
 
 
+def _eager_and_numatp(family: str, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.nn.Module]:
+    """A fresh tiny ``family`` model's prompt (ids, mask), eager's greedy ``tokens`` after it, and the model
+    compiled by numatp on 2 sockets."""
+    fresh_dynamo()
+    model = _tiny(family)
+    ids, mask = _prompt(model)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    return ids, mask, expected, numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+
+
 def test_decode_steps_skip_dynamos_guards_after_a_step_that_compiled_nothing(monkeypatch):
     # from the fourth forward on, only the guards that tell the prompt from the decode step run; the
     # tokens stay eager's, and the caller's stance is back after the generation
-    fresh_dynamo()
-    model = _tiny("gpt2")
-    ids, mask = _prompt(model)
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    ids, mask, expected, fast = _eager_and_numatp("gpt2", 8)
     from torch._dynamo import eval_frame
 
     entered = []
@@ -288,11 +294,7 @@ def test_decode_steps_after_two_alike_call_numatps_graph_past_dynamo(monkeypatch
     # the first two steps under the guard-skip stance (forwards 4 and 5) pass through Dynamo and show that
     # only the token and its positions change; every later step calls numatp's graph itself
     gen = importlib.import_module("numatp.generate")
-    fresh_dynamo()
-    model = _tiny("llama")
-    ids, mask = _prompt(model)
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    fast = numatp.compile(model, sockets=shared_cpu_topology(2), mode="eager")
+    ids, mask, expected, fast = _eager_and_numatp("llama", 12)
     replayed = []
     real = gen._Replay.__call__
     monkeypatch.setattr(gen._Replay, "__call__", lambda self, *a: replayed.append(1) or real(self, *a))

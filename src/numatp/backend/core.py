@@ -180,6 +180,7 @@ class NumaTPBackend:
             graph.release()
         self.graphs = []
         self.names = None
+        self.last_call = None   # its arguments are the model's parameters and caches
         self.closed = True
 
     def reload_states(self, replicated_only: bool = False) -> None:
