@@ -182,20 +182,18 @@ class CompiledGraph:
             raise RuntimeError(RELEASED)
         self.backend.calls += 1
         fast = self._fast
+        variant = None
         if fast is not None and all(map(operator.is_, fast.fixed(args), fast.objects)):
             variant = fast.variants.get(self._key(args, fast.others))
-            if variant is not None:
-                out = variant(*args)
-                self.backend.last_call = (self, args, out)
-                return out
-        key = self._key(args, range(len(args)))
-        with self._lock:
-            variant = self.variants.get(key)
-            if variant is None:
-                with step("building socket programs for graph %d, inputs %s", self.index, inputs_text(args),
-                          done=f"graph {self.index}:"):
-                    variant = self._build(key, list(args))
-            self._remember(args, key, variant)
+        if variant is None:
+            key = self._key(args, range(len(args)))
+            with self._lock:
+                variant = self.variants.get(key)
+                if variant is None:
+                    with step("building socket programs for graph %d, inputs %s", self.index, inputs_text(args),
+                              done=f"graph {self.index}:"):
+                        variant = self._build(key, list(args))
+                self._remember(args, key, variant)
         out = variant(*args)
         self.backend.last_call = (self, args, out)
         return out
