@@ -296,8 +296,8 @@ def test_decode_steps_after_two_alike_call_numatps_graph_past_dynamo(monkeypatch
     gen = importlib.import_module("numatp.generate")
     ids, mask, expected, fast = _eager_and_numatp("llama", 12)
     replayed = []
-    real = gen._Replay.__call__
-    monkeypatch.setattr(gen._Replay, "__call__", lambda self, *a: replayed.append(1) or real(self, *a))
+    real = gen.Replay.__call__
+    monkeypatch.setattr(gen.Replay, "__call__", lambda self, *a: replayed.append(1) or real(self, *a))
     backend = None
     for _ in range(2):   # a second generation replays as the first did
         replayed.clear()
@@ -322,13 +322,14 @@ def test_a_decode_step_is_replayed_only_where_two_steps_differ_in_the_token_and_
     graph, other, backend = Graph(), Graph(), Backend()
     weight, cache = torch.zeros(2), torch.zeros(2)
 
-    def two_steps(second=graph, fresh=False, logits_out=True):
-        replay = gen._Replay()
-        for g in (graph, second):
+    def two_steps(second=graph, fresh=False, logits_out=True, calls=1, swapped=False):
+        replay = gen.Replay()
+        for k, g in enumerate((graph, second)):
             ids, pos, logits = torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1, 4)
             extra = torch.zeros(1) if fresh else cache   # an argument made anew at each step, or the same one
-            backend.last_call = (g, (weight, ids, extra, pos), [logits if logits_out else logits.clone()])
-            replay.observe(backend, ids, pos, logits)
+            args = (weight, pos, extra, ids) if swapped and k == 1 else (weight, ids, extra, pos)
+            backend.last_call = (g, args, [logits if logits_out else logits.clone()])
+            replay.observe(backend, calls, (ids, pos), logits)
         return replay
 
     replay = two_steps()
@@ -340,6 +341,9 @@ def test_a_decode_step_is_replayed_only_where_two_steps_differ_in_the_token_and_
     assert not two_steps(second=other).ready            # another graph
     assert not two_steps(fresh=True).ready              # an argument other than the token's made anew
     assert not two_steps(logits_out=False).ready        # logits not one of the graph's outputs
+    assert not two_steps(calls=2).ready                 # the forward ran two graphs (one would be skipped)
+    assert not two_steps(swapped=True).ready            # the inputs at other places
+    assert replay.calls == 1
 
 
 def test_guards_keep_running_where_the_third_forward_compiled():

@@ -415,14 +415,16 @@ got, engine = _engine_run(fast, model, jobs, slots=4, max_len=96, chunk=16, skip
 solo = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=n,
                        do_sample=False, pad_token_id=0)[0, len(p):].tolist() for p, n in jobs]
 print(json.dumps({"skipped": engine.guards_skipped, "equal": [g == w for g, w in zip(got, solo)],
-                  "resets": engine.resets}))
+                  "resets": engine.resets, "replayed": engine.replayed,
+                  "steps_replayed": engine._replays[(4, 1, -1)].calls}))
 """
 
 
 @pytest.mark.integration
 def test_an_engine_that_skips_guards_in_a_process_of_its_own_equals_solo_generate():
-    """What `numatp serve` runs: the engine's forwards skip Dynamo's guards after the warm-up, in a process
-    that compiles this one model (a fresh one here), through joins and cache resets."""
+    """What `numatp serve` runs: the engine's forwards skip Dynamo's guards after the warm-up, and then go
+    past Dynamo (numatp's graphs called directly), in a process that compiles this one model (a fresh one
+    here), through joins and cache resets."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, str(Path(SRC).parent)]), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, "-c", _SKIPPING], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -430,6 +432,7 @@ def test_an_engine_that_skips_guards_in_a_process_of_its_own_equals_solo_generat
     assert out["skipped"], out   # skipped from the warm-up to the last forward (no fallback to guards)
     assert all(out["equal"]) and len(out["equal"]) == 8, out
     assert out["resets"] >= 1, out
+    assert out["steps_replayed"] > 0 and out["replayed"] > out["steps_replayed"], out   # steps and prefills
 
 
 _PROBE = """

@@ -193,7 +193,7 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
         t0 = time.perf_counter()
         decode_start = None
         token = None
-        replay = _Replay()
+        replay = Replay()
         with _GuardSkip() as guards, _DecodeAhead(batch, max_new_tokens - 1) as ahead:
             ahead.attach(backend)
             for step in range(max_new_tokens):
@@ -213,9 +213,9 @@ def generate_timed(compiled: Any, input_ids: torch.Tensor, attention_mask: torch
                             backend = ahead.attach(_backend(compiled))
                         if backend is None or backend.calls == calls:
                             raise RuntimeError(_not_through_numatp(step, prompt, padded, length))
-                        calls = backend.calls
                         if guards.skipping:
-                            replay.observe(backend, step_ids, step_pos, step_logits)
+                            replay.observe(backend, backend.calls - calls, (step_ids, step_pos), step_logits)
+                        calls = backend.calls
                 logits = step_logits[:, -1, :].to(torch.float32)
                 for w in warp:
                     logits = w(None, logits)
@@ -333,52 +333,58 @@ def _not_through_numatp(step: int, prompt: int, padded: int, length: int) -> str
             "is one: pass the same max_cache_len to every generate, a larger prompt_bucket, or raise the limit")
 
 
-class _Replay:
-    """Decode steps past Dynamo, once two of them have shown that nothing but the token and its positions
-    changes from one step to the next: numatp's compiled graph called with the arguments Dynamo gave it,
-    those two replaced.
+class Replay:
+    """Forwards past Dynamo, once two of them have shown that nothing but the inputs the caller makes anew
+    at each call (a decode step's token and positions; the engine's attention mask besides) changes from one
+    to the next: numatp's compiled graph called with the arguments Dynamo gave it, those inputs replaced.
 
     Under the guard-skip stance (:class:`_GuardSkip`) a decode step still passes through Dynamo's entry: its
     frame fetches every parameter and cache tensor of the model and hands them to numatp's graph (hundreds of
     arguments), then builds the model's output around the logits (measured, qwen2.5-0.5b int4 on 2 virtual
     sockets, 64 tokens, the two alternated in one process: 16.49 ms a token through Dynamo, 15.90 with the
-    replay). The first two steps under the stance are observed; where both reached the same graph of
-    numatp's backend with the same argument objects but for the token ids and positions this loop passed
-    them (compared by identity), and the logits the model returned are one of that graph's outputs (the same
-    object), every later step calls the graph directly. Anything else (another graph, an argument made anew
-    at each step, logits computed after the graph) leaves every step to Dynamo. What the frame does besides
-    (its guards, which the stance skips already, and Python state a step would change, which would have
-    failed a guard and kept the stance off) has nothing left to do at a decode step that passed these checks."""
+    replay). The first two forwards under the stance are observed; where each ran exactly one graph of
+    numatp's backend, both the same graph with the same argument objects but for the inputs the caller
+    passed (compared by identity, each at the same place), and the logits the model returned are one of
+    that graph's outputs (the same object), every later forward calls the graph directly. Anything else
+    (another graph, two graphs, an argument made anew at each call, logits computed after the graph) leaves
+    every forward to Dynamo. What the frame does besides (its guards, which the stance skips already, and
+    Python state a forward would change, which would have failed a guard and kept the stance off) has
+    nothing left to do at a forward that passed these checks. A model changed while its forwards are
+    replayed (a parameter replaced, an attribute set) is not seen: the replayed graph keeps what it was given.
+    """
 
     def __init__(self) -> None:
         self.ready = False
-        self._seen: tuple[Any, tuple, int, int, int] | None = None   # graph, arguments, where ids, positions, logits
+        self.calls = 0   # forwards replayed
+        self._seen: tuple[Any, tuple, tuple[int, ...], int] | None = None   # graph, arguments, inputs', logits' places
         self._args: list[Any] = []
 
-    def observe(self, backend: Any, step_ids: torch.Tensor, step_pos: torch.Tensor, logits: torch.Tensor) -> None:
-        """After a decode step that ran through Dynamo under the stance: what numatp's graph got and gave."""
+    def observe(self, backend: Any, calls: int, inputs: tuple[torch.Tensor, ...], logits: torch.Tensor) -> None:
+        """After a forward that ran through Dynamo under the stance and made ``calls`` calls of numatp's graphs,
+        with ``inputs`` the tensors the caller made for it: what numatp's graph got and gave."""
         last = getattr(backend, "last_call", None)
         seen, self._seen = self._seen, None
-        if last is None or not isinstance(last[2], (list, tuple)):
+        if calls != 1 or last is None or not isinstance(last[2], (list, tuple)):
             return
         graph, args, outs = last
-        where = [next((k for k, a in enumerate(group) if a is t), None)
-                 for group, t in ((args, step_ids), (args, step_pos), (outs, logits))]
-        i, j, o = where
-        if i is None or j is None or o is None or i == j:
+        where = tuple(next((k for k, a in enumerate(args) if a is t), -1) for t in inputs)
+        o = next((k for k, a in enumerate(outs) if a is logits), -1)
+        if -1 in where or o == -1 or len(set(where)) != len(where):
             return
-        self._seen = (graph, args, i, j, o)
-        if seen is not None and seen[0] is graph and seen[2:] == (i, j, o) and len(seen[1]) == len(args) and \
-                all(a is b for k, (a, b) in enumerate(zip(seen[1], args)) if k != i and k != j):
+        self._seen = (graph, args, where, o)
+        if seen is not None and seen[0] is graph and seen[2:] == (where, o) and len(seen[1]) == len(args) and \
+                all(a is b for k, (a, b) in enumerate(zip(seen[1], args)) if k not in where):
             self._args = list(args)
             self.ready = True
 
-    def __call__(self, step_ids: torch.Tensor, step_pos: torch.Tensor) -> torch.Tensor:
-        """One decode step's logits, from numatp's graph called directly."""
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One forward's logits, from numatp's graph called directly with ``inputs`` in place of those observed."""
         assert self._seen is not None
-        graph, _, i, j, o = self._seen
+        graph, _, where, o = self._seen
         args = self._args
-        args[i], args[j] = step_ids, step_pos
+        for k, t in zip(where, inputs):
+            args[k] = t
+        self.calls += 1
         return graph(*args)[o]
 
 

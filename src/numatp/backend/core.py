@@ -83,7 +83,7 @@ class NumaTPBackend:
         self.graphs: list[CompiledGraph] = []
         self.calls = 0   # calls of its graphs: a forward that adds none did not run through numatp
         # the last call of one of its graphs: (graph, its arguments, its outputs), for numatp.generate's
-        # replay of decode steps past Dynamo (numatp.generate._Replay)
+        # replay of decode steps past Dynamo (numatp.generate.Replay)
         self.last_call: tuple[Any, tuple, Any] | None = None
         self.closed = False   # released with its compiled model (close)
         self._group: SocketGroup | None = None

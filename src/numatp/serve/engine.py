@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from numatp.backend.registry import backend_of, compiled_by_numatp
-from numatp.generate import _warpers, argmax, static_cache
+from numatp.generate import Replay, _warpers, argmax, static_cache
 from numatp.runtime.group import callers_threads
 from numatp.serve.metrics import Metrics
 
@@ -129,7 +129,9 @@ class Engine:
     for testing) with ``max_batch`` slots, a context of ``max_len`` tokens per request (prompt + new tokens),
     prefill chunks of ``chunk`` tokens, a cache of ``cache_len`` positions (default ``max_len + chunk``; more
     means fewer resets: every join advances the shared clock by its padded prompt) and at most
-    ``max_queue`` requests waiting beyond the free slots.
+    ``max_queue`` requests waiting beyond the free slots. With ``skip_guards``, the forwards skip Dynamo's
+    guards after the warm-up and then run numatp's graphs past Dynamo (:class:`numatp.generate.Replay`):
+    the model must not be changed while the engine serves it (the replayed graphs would not see it).
     :meth:`start` compiles the programs and starts the engine thread; :meth:`stop` ends it."""
 
     def __init__(self, compiled: Any, *, max_batch: int = 8, max_len: int = 1024, chunk: int = 32,
@@ -186,6 +188,9 @@ class Engine:
         # this one model alone, turns it on
         self.skip_guards = skip_guards
         self._skip_guards = False
+        # with the guards skipped, each call shape (width, length, the row a width-1 call runs over) is replayed
+        # past Dynamo once two of its forwards have shown that only the ids, mask and positions change
+        self._replays: dict[tuple[int, int, int], Replay] = {}
         self.resets = 0
 
     # ---- the callers' side (any thread) -------------------------------------------------------------------
@@ -399,28 +404,23 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, row: int = 0) -> torch.Tensor:
         """(B, vocab) fp32 logits of each row's last position; the clock advances by the call's length. A
-        call of one row runs over slot ``row``'s row of the cache."""
+        call of one row runs over slot ``row``'s row of the cache. With the guards skipped, a call of a shape
+        two earlier calls of it under the stance showed replayable runs numatp's graph directly
+        (:class:`numatp.generate.Replay`)."""
         backend = self._backend() if self._numatp else None
         calls = backend.calls if backend is not None else None
         narrow = self._narrow
-        kwargs = {self._cache_arg: self._cache if ids.shape[0] == self.max_batch or narrow is None else narrow[row]}
-        if self._skip_guards:
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    out = self.compiled(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs,
-                                        use_cache=True, logits_to_keep=1)
-            except RuntimeError as e:
-                # something the guards watch changed (an attribute of the model, set by code outside the
-                # engine): Dynamo refuses to compile under the stance, before running anything; run this
-                # forward, and every later one, under the guards
-                if "skip_guard_eval_unsafe" not in str(e):
-                    raise
-                log.warning("numatp serve: the model changed under Dynamo's guards (%s); guards are checked at "
-                            "every step from now on", str(e).splitlines()[0])
-                self._skip_guards = False
-        if not self._skip_guards:
-            out = self.compiled(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs,
-                                use_cache=True, logits_to_keep=1)
+        wide = ids.shape[0] == self.max_batch or narrow is None
+        key = (ids.shape[0], ids.shape[1], -1 if wide else row)
+        replay = self._replays.get(key) if self._skip_guards else None
+        if replay is not None and replay.ready:
+            logits = replay(ids, mask, pos)
+        else:
+            logits = self._through_dynamo(ids, mask, pos, self._cache if wide else narrow[row])  # type: ignore[index]
+            if self._skip_guards and backend is not None:   # still skipped: the forward ran under the stance
+                if replay is None:
+                    replay = self._replays[key] = Replay()
+                replay.observe(backend, backend.calls - calls, (ids, mask, pos), logits)
         self._t += ids.shape[1]
         self.forwards += 1
         self.widths[ids.shape[0]] += 1
@@ -432,7 +432,33 @@ class Engine:
                                    "ran the model eagerly, which would read stale per-socket caches); the engine "
                                    "compiles four shapes only, so another compile of this model in the process used "
                                    "up torch._dynamo.config.recompile_limit")
-        return out.logits[:, -1, :].to(torch.float32)
+        return logits[:, -1, :].to(torch.float32)
+
+    @property
+    def replayed(self) -> int:
+        """Forwards that ran numatp's graph past Dynamo."""
+        return sum(r.calls for r in self._replays.values())
+
+    def _through_dynamo(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
+        """The compiled model's call (under the guard-skip stance where the guards are skipped): its logits."""
+        kwargs = {self._cache_arg: cache}
+        if self._skip_guards:
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self.compiled(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs,
+                                         use_cache=True, logits_to_keep=1).logits
+            except RuntimeError as e:
+                # something the guards watch changed (an attribute of the model, set by code outside the
+                # engine): Dynamo refuses to compile under the stance, before running anything; run this
+                # forward, and every later one, under the guards
+                if "skip_guard_eval_unsafe" not in str(e):
+                    raise
+                log.warning("numatp serve: the model changed under Dynamo's guards (%s); guards are checked at "
+                            "every step from now on", str(e).splitlines()[0])
+                self._skip_guards = False
+                self._replays.clear()
+        return self.compiled(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs,
+                             use_cache=True, logits_to_keep=1).logits
 
     def _reset(self) -> None:
         """Clock to 0: the cache's lengths (and, through the backend, every socket's copy) reset, no slot owns
@@ -482,6 +508,7 @@ class Engine:
             self._decode(active, now)
         except Exception as e:   # a failed forward fails the requests in it, never the engine
             log.exception("numatp serve: a forward failed")
+            self._replays.clear()   # the next forwards of each shape go through Dynamo, observed anew
             for i, slot in enumerate(self._slots):
                 if slot is not None:
                     self._slots[i] = None
