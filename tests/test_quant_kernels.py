@@ -1,5 +1,5 @@
 """Quantized weights: the buffer format (quant.py) and the kernels that read it (quant.cpp through
-``numatp::linear``'s qgemv, qtile and q8_aten codes), each against ``x @ dequantize(buf).T + b``.
+``numatp::linear``'s qgemv, q8dot, qtile and q8_aten codes), each against ``x @ dequantize(buf).T + b``.
 
 fp32 activations must match the fp32 reference to fp32 summation rounding; bf16 ones within bf16 rounding
 (qtile rounds the dequantized weight to bf16 first, q8_aten the scales, and adds the bias after rounding).
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from numatp.runtime.gemm import NATIVE, PROVIDERS, GemmShape, measure_all, quant
+from numatp.runtime.gemm.providers import dot_usable as numatp_dot_usable
 from numatp.runtime.gemm.quant import QuantFormat
 from numatp.runtime.native import _HERE, compiler, load_ops
 
@@ -110,7 +111,9 @@ def test_shape_and_provider_fields():
     assert not PROVIDERS["gemv"].runs(q8) and not PROVIDERS["aten"].runs(s) and PROVIDERS["gemv"].runs(plain)
     assert not PROVIDERS["qgemv"].runs(GemmShape(17, 64, 64, "float32", "nk", 1, weights="int8"))
     assert PROVIDERS["qtile"].runs(GemmShape(512, 64, 64, "float32", "nk", 1, weights="int4:g32"))
-    assert {NATIVE[p] for p in ("qgemv", "qtile", "q8_aten")} == {5, 6, 7}
+    assert PROVIDERS["q8dot"].runs(q8) and not PROVIDERS["q8dot"].runs(s)   # int8 weights, bf16 activations
+    assert not PROVIDERS["q8dot"].runs(GemmShape(1, 1024, 4096, "float32", "nk", 2, weights="int8"))
+    assert {NATIVE[p] for p in ("qgemv", "qtile", "q8_aten", "q8dot")} == {5, 6, 7, 10}
     buf = quant.quantize(torch.randn(8, 64), "int8")
     assert all(PROVIDERS[p].prepare(buf, 4) is buf for p in ("qgemv", "qtile", "q8_aten"))
     with pytest.raises(ValueError, match="quantize the weight first"):
@@ -118,6 +121,8 @@ def test_shape_and_provider_fields():
 
 
 PROVIDER_FORMATS = [(p, f) for p in ("qgemv", "qtile", "q8_aten") for f in FORMATS if p != "q8_aten" or f == "int8"]
+PROVIDER_FORMATS.append(pytest.param("q8dot", "int8", marks=pytest.mark.skipif(
+    "avx512_bf16" not in Path("/proc/cpuinfo").read_text(), reason="q8dot needs AVX512-BF16")))
 
 
 @pytest.mark.integration
@@ -131,11 +136,15 @@ def test_kernels_equal_dequantized_reference(provider, fmt, dtype):
     p = PROVIDERS[provider]
     for n in (72, 200):
         buf = _buffer(fmt, n, k, gen)
-        for m in (1, 3, 16, 40):
+        for m in (1, 3, 8, 11, 16, 40):
             if p.max_rows is not None and m > p.max_rows:
                 continue
             x = torch.randn(m, k, generator=gen).to(dtype)
             for bias in (None, torch.randn(n, generator=gen).to(dtype)):
+                if dtype not in p.dtypes:   # q8dot: bf16 activations only, and says so
+                    with pytest.raises(RuntimeError, match="takes bf16 activations"):
+                        p.call(x, buf, bias, n, k)
+                    continue
                 y = p.call(x, buf, bias, n, k)
                 _check(y, x, buf, bias, f"{provider} {fmt} {dtype} m={m} n={n} bias={bias is not None}")
 
@@ -163,16 +172,20 @@ def test_qembedding_is_the_dequantized_rows(fmt):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("provider", ["qgemv", "qtile"])
+@pytest.mark.parametrize("provider", ["qgemv", "qtile", pytest.param("q8dot", marks=pytest.mark.skipif(
+    "avx512_bf16" not in Path("/proc/cpuinfo").read_text(), reason="q8dot needs AVX512-BF16"))])
 def test_kernels_on_two_threads(provider):
     load_ops()
     gen = torch.Generator().manual_seed(2)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    p = PROVIDERS[provider]
     try:
         for fmt in ("int8", "int4:g64"):
+            if not p.runs(GemmShape(5, 256, 328, "bfloat16", "nk", 2, weights=fmt)):
+                continue
             buf = _buffer(fmt, 328, 256, gen)
-            for dtype in (torch.float32, torch.bfloat16):
+            for dtype in p.dtypes:
                 x = torch.randn(5, 256, generator=gen).to(dtype)
                 _check(PROVIDERS[provider].call(x, buf, None, 328, 256), x, buf, None, f"{provider} {fmt} {dtype}")
     finally:
@@ -188,6 +201,12 @@ def test_kernel_errors():
         torch.ops.numatp.linear(x, buf, None, NATIVE["qgemv"], 16, 64)
     with pytest.raises(RuntimeError, match="not a 4-bit weight|reads int8 weights"):
         torch.ops.numatp.linear(x, buf, None, NATIVE["q8_aten"], 8, 64)
+    if numatp_dot_usable():
+        with pytest.raises(RuntimeError, match="q8dot: reads int8 weights without zero points, got a 4-bit weight"):
+            torch.ops.numatp.linear(x.bfloat16(), buf, None, NATIVE["q8dot"], 8, 64)
+    else:
+        with pytest.raises(RuntimeError, match="q8dot: this CPU has no AVX512-BF16"):
+            torch.ops.numatp.linear(x.bfloat16(), buf, None, NATIVE["q8dot"], 8, 64)
     with pytest.raises(RuntimeError, match="up to 16 rows"):
         torch.ops.numatp.linear(torch.randn(17, 64), buf, None, NATIVE["qgemv"], 8, 64)
     with pytest.raises(RuntimeError, match="not a numatp quantized buffer"):
@@ -218,7 +237,8 @@ def test_fallback_paths(tmp_path, isa):
     lib = _fallback_library(tmp_path, flags)
     ptr = ctypes.c_void_p
     i64 = ctypes.c_int64
-    lib.numatp_qgemv.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64]
+    lib.numatp_qgemv.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64,
+                                 ctypes.c_int]
     lib.numatp_qdequant.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
     gen = torch.Generator().manual_seed(3)
     for fmt in FORMATS:
@@ -233,7 +253,7 @@ def test_fallback_paths(tmp_path, isa):
                 b = torch.randn(n, generator=gen).to(dtype)
                 y = torch.empty(m, n, dtype=dtype)
                 lib.numatp_qgemv(*sections, h["bits"], n, k, h["group"], x.data_ptr(), int(dtype == torch.bfloat16),
-                                 b.data_ptr(), y.data_ptr(), m)
+                                 b.data_ptr(), y.data_ptr(), m, 0)
                 _check(y, x, buf, b, f"{isa} qgemv {fmt} {dtype} m={m}")
             wd = torch.empty(n - 3, k, dtype=dtype)
             lib.numatp_qdequant(*sections, h["bits"], n, k, h["group"], 3, n, wd.data_ptr(),

@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_PROVIDERS", "Decode", "GemmChoice", "GemmOptions", "Prior", 
 
 
 DEFAULT_PROVIDERS = ("aten", "onednn", "onednn_packed", "mkl_packed", "mkl_packed_f32", "gemv", "amx", "dpbf16",
-                     "qgemv", "qtile", "q8_aten", "q_dequant")
+                     "qgemv", "q8dot", "qtile", "q8_aten", "q_dequant")
 
 
 @dataclass(frozen=True)

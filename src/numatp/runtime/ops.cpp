@@ -50,7 +50,8 @@ void numatp_gemv_rows_bf16(const std::uint16_t* x, const std::uint16_t* w, const
                            std::uint16_t* y, std::int64_t m, std::int64_t k, std::int64_t n, int kn);
 // quant.cpp: over a quantized weight's sections (numatp.runtime.gemm.quant's buffer)
 void numatp_qgemv(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n, std::int64_t k,
-                  std::int64_t group, const void* x, int x_bf16, const void* bias, void* y, std::int64_t m);
+                  std::int64_t group, const void* x, int x_bf16, const void* bias, void* y, std::int64_t m,
+                  int int8_dot);
 void numatp_qdequant(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n,
                      std::int64_t k, std::int64_t group, std::int64_t n0, std::int64_t n1, void* out, int to_bf16);
 void numatp_qrows(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n, std::int64_t k,
@@ -82,6 +83,7 @@ constexpr int64_t kQtile = 6;       // dequantize-per-tile GEMM on a quantized b
 constexpr int64_t kQ8Aten = 7;      // ATen's _weight_int8pack_mm on views into an int8 buffer
 constexpr int64_t kAmx = 8;         // amx.cpp's tiles on a weight packed by numatp::amx_pack (bf16)
 constexpr int64_t kDot = 9;         // amx.cpp's AVX512-BF16 dot products on the same layout (numatp::dot_pack)
+constexpr int64_t kQ8Dot = 10;      // quant.cpp's GEMV on an int8 buffer, bf16 x, through AVX512-BF16 dot products
 
 // A new tensor of its own pages, bound to `node` before the first touch (mmap + mbind): a worker's
 // allocator may recycle pages of another node, and a page never written (as MKL's packing leaves part of
@@ -456,21 +458,33 @@ at::Tensor qembedding(const at::Tensor& buf, const at::Tensor& ids, int64_t k, a
   return direct ? out : out.to(dtype);
 }
 
-// quant.cpp's GEMV: up to 16 rows, the weight streamed once
+// quant.cpp's GEMV: up to 16 rows, the weight streamed once. int8_dot (q8dot): int8 weights without zeros
+// and bf16 x, the weight widened to bf16 once for every row of a pass and summed by _mm512_dpbf16_ps (fp32
+// FMAs otherwise, qgemv's int8 path)
 at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
-                 int64_t k) {
-  const char* who = "numatp qgemv";
+                 int64_t k, bool int8_dot = false) {
+  const char* who = int8_dot ? "numatp q8dot" : "numatp qgemv";
   const QuantBuf b = quant_buf(w, n, k, who);
   check_x(x, who);
   const int64_t m = x.size(0);
   TORCH_CHECK(m <= kGemvMaxRows, who, ": runs up to ", kGemvMaxRows, " rows (a decode step), got ", m,
               "; use qtile or q8_aten for more");
+  if (int8_dot) {
+    TORCH_CHECK(numatp_dot_usable() == 1, who, ": this CPU has no AVX512-BF16 (Intel Cooper Lake, Sapphire "
+                "Rapids and later, AMD Zen 4 and later), so the q8dot provider cannot run; leave it out of "
+                "GemmOptions.providers");
+    TORCH_CHECK(b.bits == 8 && !b.zeros, who, ": reads int8 weights without zero points, got a ", b.bits,
+                "-bit weight", b.zeros ? " with zero points" : "", "; use qgemv");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, who, ": takes bf16 activations, got ", x.scalar_type(),
+                "; use qgemv");
+  }
   const auto bb = bias_as(bias, x, n, who);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({m, n}, x.options());
   if (m > 0 && n > 0)
     numatp_qgemv(b.q(), b.s(), b.z(), static_cast<int>(b.bits), n, k, b.group, xc.const_data_ptr(),
-                 x.scalar_type() == at::kBFloat16, bb ? bb->const_data_ptr() : nullptr, y.mutable_data_ptr(), m);
+                 x.scalar_type() == at::kBFloat16, bb ? bb->const_data_ptr() : nullptr, y.mutable_data_ptr(), m,
+                 int8_dot ? 1 : 0);
   return y;
 }
 
@@ -561,6 +575,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
       return gemv(x, w, bias, provider == kGemvKN);
     case kQgemv:
       return qgemv(x, w, bias, n, k);
+    case kQ8Dot:
+      return qgemv(x, w, bias, n, k, true);
     case kQtile:
       return qtile(x, w, bias, n, k);
     case kQ8Aten:

@@ -40,6 +40,9 @@ the buffer itself, shared by every such provider of a format) and never a float 
 
 - ``qgemv``: numatp's GEMV over int8 and int4 for up to 16 rows (``quant.cpp``): a decode step streams
   the quantized bytes once, fp32 sums, the group's scale applied once per group;
+- ``q8dot``: the same GEMV for int8 weights and bf16 activations on AVX512-BF16: the weight widened to bf16
+  once for all of a pass's rows (up to 8) and summed by bf16 dot products, two FMAs' work in one; it pays
+  where several rows share each widened value (a batch of decode steps), ``qgemv`` where one row reads it;
 - ``qtile``: dequantize-per-tile GEMM for any rows: blocks of output channels dequantized into a buffer
   in x's dtype (so for bf16 x the weight is rounded to bf16 first; exact for fp32), then ATen's GEMM;
 - ``q8_aten``: ATen's ``_weight_int8pack_mm`` on views into an int8 buffer; the scales are converted to
@@ -234,6 +237,16 @@ def _quant_call(name):
     return call
 
 
+def _q8dot_prepare(buf, m):
+    buf = _quant_prepare(buf, m)
+    if not dot_usable():
+        raise RuntimeError("the q8dot provider needs AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids and later, "
+                           "AMD Zen 4 and later), which this CPU does not have; leave it out of GemmOptions.providers")
+    if quant.header(buf)["zeros"]:
+        raise ValueError("the q8dot provider reads int8 weights without zero points; this one has them: use qgemv")
+    return buf
+
+
 def amx_usable() -> bool:
     """Whether the ``amx`` provider runs here: numatp's library built with AMX-BF16 (a compiler and CPU
     that have it) and a Linux kernel that grants the process the tiles."""
@@ -360,9 +373,11 @@ PROVIDERS: dict[str, Provider] = {
     # makes it the costliest to measure, so GemmOptions leaves it out unless asked for
     "inductor_cpp": Provider("inductor_cpp", (torch.float32, torch.bfloat16), True, _TemplateGemm,
                              lambda x, op, bias, n, k: op(x, bias), compiles=True),
-    # quantized weights (GemmShape.weights): the quantized shard as the operand, shared by all four
+    # quantized weights (GemmShape.weights): the quantized shard as the operand, shared by all of them
     "qgemv": Provider("qgemv", (torch.float32, torch.bfloat16), False, _quant_prepare, _quant_call("qgemv"),
                       max_rows=GEMV_MAX_ROWS, weights=(8, 4)),
+    "q8dot": Provider("q8dot", (torch.bfloat16,), False, _q8dot_prepare, _quant_call("q8dot"),
+                      max_rows=GEMV_MAX_ROWS, weights=(8,)),
     "qtile": Provider("qtile", (torch.float32, torch.bfloat16), False, _quant_prepare, _quant_call("qtile"),
                       weights=(8, 4)),
     "q8_aten": Provider("q8_aten", (torch.float32, torch.bfloat16), False, _quant_prepare, _quant_call("q8_aten"),
@@ -375,7 +390,7 @@ PROVIDERS: dict[str, Provider] = {
 
 
 NATIVE = {"onednn": 0, "onednn_packed": 0, "mkl_packed": 1, "mkl_packed_f32": 2, "gemv": 3, "qgemv": 5,
-          "qtile": 6, "q8_aten": 7, "amx": 8, "dpbf16": 9}
+          "qtile": 6, "q8_aten": 7, "amx": 8, "dpbf16": 9, "q8dot": 10}
 """Providers that ``numatp::linear`` (``ops.cpp``) runs in C++, by its provider code (:func:`native_code`):
 a segment calls them without leaving compiled code. The others (``inductor_cpp``) stay a cut of the program."""
 
