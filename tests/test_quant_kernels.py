@@ -259,3 +259,19 @@ def test_fallback_paths(tmp_path, isa):
             lib.numatp_qdequant(*sections, h["bits"], n, k, h["group"], 3, n, wd.data_ptr(),
                                 int(dtype == torch.bfloat16))
             assert torch.equal(wd, quant.dequantize(buf)[3:].to(dtype)), f"{isa} dequantize {fmt} {dtype}"
+
+
+@pytest.mark.integration
+def test_q8dot_is_measured_where_the_cpu_has_it_and_refuses_zero_points():
+    # int8 weights and bf16 activations only; a CPU without AVX512-BF16 measures 0 (never chosen)
+    load_ops()
+    shape = GemmShape(8, 128, 64, "bfloat16", "nk", 1, weights="int8")
+    rates = measure_all({p: PROVIDERS[p] for p in ("qgemv", "q8dot")}, shape, min_seconds=0.0, max_calls=2)
+    assert rates["qgemv"] > 0 and (rates["q8dot"] > 0) == numatp_dot_usable()
+    with_zeros = quant.from_values(torch.randint(-8, 8, (8, 64)), torch.rand(8, 1) + 0.1, torch.rand(8, 1), "int8")
+    if numatp_dot_usable():
+        with pytest.raises(ValueError, match="q8dot provider reads int8 weights without zero points"):
+            PROVIDERS["q8dot"].prepare(with_zeros, 4)
+    else:
+        with pytest.raises(RuntimeError, match="q8dot provider needs AVX512-BF16"):
+            PROVIDERS["q8dot"].prepare(with_zeros, 4)
