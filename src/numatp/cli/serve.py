@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
          f"on http://{args.host}:{args.port} with {args.max_batch} slots of {args.max_len} tokens")
     server.run()
     engine.stop(timeout=args.shutdown_timeout)
-    _say("stopped")
+    _say(f"stopped after {engine.forwards} forwards, {engine.replayed} of them past Dynamo (numatp's graphs "
+         "called directly)")
     return 0
 
 
