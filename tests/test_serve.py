@@ -436,6 +436,24 @@ def test_an_engine_that_skips_guards_in_a_process_of_its_own_equals_solo_generat
     assert out["steps_replayed"] > 0 and out["replayed"] > out["steps_replayed"], out   # steps and prefills
 
 
+@pytest.mark.unit
+def test_replays_dropped_after_a_failure_keep_their_count():
+    # a failed forward (or guards put back) drops every shape's replay; `numatp serve`'s last line still
+    # counts the forwards they ran
+    from numatp.generate import Replay
+
+    engine = Engine.__new__(Engine)   # the bookkeeping alone, no model
+    engine._replays, engine._replayed_before = {}, 0
+    for key, calls in (((4, 1, -1), 5), ((1, 1, 0), 2)):
+        engine._replays[key] = Replay()
+        engine._replays[key].calls = calls
+    engine._drop_replays()
+    assert engine._replays == {} and engine.replayed == 7
+    engine._replays[(4, 1, -1)] = Replay()
+    engine._replays[(4, 1, -1)].calls = 3
+    assert engine.replayed == 10
+
+
 _PROBE = """
 import json, sys
 if sys.argv[1] == "hide":

@@ -191,6 +191,7 @@ class Engine:
         # with the guards skipped, each call shape (width, length, the row a width-1 call runs over) is replayed
         # past Dynamo once two of its forwards have shown that only the ids, mask and positions change
         self._replays: dict[tuple[int, int, int], Replay] = {}
+        self._replayed_before = 0   # forwards replayed by replays since dropped
         self.resets = 0
 
     # ---- the callers' side (any thread) -------------------------------------------------------------------
@@ -437,7 +438,12 @@ class Engine:
     @property
     def replayed(self) -> int:
         """Forwards that ran numatp's graph past Dynamo."""
-        return sum(r.calls for r in self._replays.values())
+        return self._replayed_before + sum(r.calls for r in self._replays.values())
+
+    def _drop_replays(self) -> None:
+        """Every call shape's next forwards through Dynamo, observed anew."""
+        self._replayed_before = self.replayed
+        self._replays.clear()
 
     def _through_dynamo(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any) -> torch.Tensor:
         """The compiled model's call (under the guard-skip stance where the guards are skipped): its logits."""
@@ -456,7 +462,7 @@ class Engine:
                 log.warning("numatp serve: the model changed under Dynamo's guards (%s); guards are checked at "
                             "every step from now on", str(e).splitlines()[0])
                 self._skip_guards = False
-                self._replays.clear()
+                self._drop_replays()
         return self.compiled(input_ids=ids, attention_mask=mask, position_ids=pos, **kwargs,
                              use_cache=True, logits_to_keep=1).logits
 
@@ -508,7 +514,7 @@ class Engine:
             self._decode(active, now)
         except Exception as e:   # a failed forward fails the requests in it, never the engine
             log.exception("numatp serve: a forward failed")
-            self._replays.clear()   # the next forwards of each shape go through Dynamo, observed anew
+            self._drop_replays()
             for i, slot in enumerate(self._slots):
                 if slot is not None:
                     self._slots[i] = None
