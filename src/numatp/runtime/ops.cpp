@@ -230,9 +230,9 @@ void require_amx(const char* who) {
               "GemmOptions.providers");
 }
 
-void require_dot(const char* who) {
+void require_dot(const char* who, const char* provider = "dpbf16") {
   TORCH_CHECK(numatp_dot_usable() == 1, who, ": this CPU has no AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids "
-              "and later, AMD Zen 4 and later), so the dpbf16 provider cannot run; leave it out of "
+              "and later, AMD Zen 4 and later), so the ", provider, " provider cannot run; leave it out of "
               "GemmOptions.providers");
 }
 
@@ -470,9 +470,7 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const std::optional<a
   TORCH_CHECK(m <= kGemvMaxRows, who, ": runs up to ", kGemvMaxRows, " rows (a decode step), got ", m,
               "; use qtile or q8_aten for more");
   if (int8_dot) {
-    TORCH_CHECK(numatp_dot_usable() == 1, who, ": this CPU has no AVX512-BF16 (Intel Cooper Lake, Sapphire "
-                "Rapids and later, AMD Zen 4 and later), so the q8dot provider cannot run; leave it out of "
-                "GemmOptions.providers");
+    require_dot(who, "q8dot");
     TORCH_CHECK(b.bits == 8 && !b.zeros, who, ": reads int8 weights without zero points, got a ", b.bits,
                 "-bit weight", b.zeros ? " with zero points" : "", "; use qgemv");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, who, ": takes bf16 activations, got ", x.scalar_type(),

@@ -322,7 +322,7 @@ void i4_bf16(const QW& w, const u16* xr, const float* corr, std::int64_t n0, flo
     for (int j = 0; j < NR; ++j) res[r][j] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-// int8, bf16 x, many rows (kDot8Rows or more): res[r][j] = s[n] * sum_k x[r, k] q[n, k], the weight widened
+// int8, bf16 x (the q8dot provider): res[r][j] = s[n] * sum_k x[r, k] q[n, k], the weight widened
 // to bf16 32 values at a time (exact: |q| <= 127 needs 7 of bf16's 8 bits; through fp32, vpmovsxbd,
 // vcvtdq2ps, vcvtne2ps2bf16) and shared by every row of the pass, each row one _mm512_dpbf16_ps of 32 products
 // (exact in fp32) where the fp32 path spends two FMAs of 16.
@@ -382,36 +382,32 @@ struct Call {
 
 constexpr int nr_for(int mr) { return mr == 1 ? 8 : mr <= 4 ? 4 : 2; }
 
+// rows [r0, r0 + MR) x channels [n0, n0 + NR): the fp32 sums, by the path this call takes
+template <int MR, int NR>
+void block_sums(const Call& c, std::int64_t r0, std::int64_t n0, float (*res)[NR]) {
+  const QW& w = c.w;
+#if defined(__AVX512BF16__)
+  if (c.x8) return i8_bf16<MR, NR>(w, c.x8 + r0 * w.k, n0, res);   // int8, bf16 x, through dpbf16
+#endif
+  if constexpr (MR <= 4) {   // passes of more rows are i8_bf16's alone
+#if defined(__AVX512BF16__)
+    const std::int64_t kp = (w.k + 127) / 128 * 128;
+    if (c.xb) return i4_bf16<MR, NR>(w, c.xb + r0 * kp, c.corr + r0 * (kp / 128) * 16, n0, res);   // int4, bf16 x
+#endif
+    if (w.bits == 8) i8_f32<MR, NR>(w, c.xf + r0 * w.k, n0, res);
+    else i4_f32<MR, NR>(w, c.xf + r0 * w.k, n0, res);
+  }
+}
+
 // channels [n0, n0 + NR) x rows [r0, r0 + MR): fp32 sums, then zeros and bias, rounded once into y
 template <int MR, int NR>
 void block(const Call& c, std::int64_t r0, std::int64_t n0, const void* bias, void* y) {
   const QW& w = c.w;
   float res[MR][NR];
-  const std::int64_t kp = (w.k + 127) / 128 * 128;
   // the bias 64 channels on: each call finds it cold (a step streams the other weights between two), and
   // waiting for its lines in the epilogue took 3% of an int4 decode step's samples on gpt2-medium
   if (bias) ahead(static_cast<const char*>(bias) + (n0 + 64) * (c.bf16 ? 2 : 4));
-  bool done = false;
-#if defined(__AVX512BF16__)
-  if (c.x8) {   // int8, bf16 x, through dpbf16
-    i8_bf16<MR, NR>(w, c.x8 + r0 * w.k, n0, res);
-    done = true;
-  }
-  if constexpr (MR <= 4) {
-    if (c.xb) {   // int4, bf16 x
-      i4_bf16<MR, NR>(w, c.xb + r0 * kp, c.corr + r0 * (kp / 128) * 16, n0, res);
-      done = true;
-    }
-  }
-#endif
-  if constexpr (MR <= 4) {
-    if (!done) {
-      if (w.bits == 8) i8_f32<MR, NR>(w, c.xf + r0 * w.k, n0, res);
-      else i4_f32<MR, NR>(w, c.xf + r0 * w.k, n0, res);
-    }
-  }
-  (void)done;
-  (void)kp;
+  block_sums<MR, NR>(c, r0, n0, res);
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NR; ++j) {
       const std::int64_t n = n0 + j;

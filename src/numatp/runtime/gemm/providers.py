@@ -239,9 +239,7 @@ def _quant_call(name):
 
 def _q8dot_prepare(buf, m):
     buf = _quant_prepare(buf, m)
-    if not dot_usable():
-        raise RuntimeError("the q8dot provider needs AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids and later, "
-                           "AMD Zen 4 and later), which this CPU does not have; leave it out of GemmOptions.providers")
+    _require_dot("q8dot")
     if quant.header(buf)["zeros"]:
         raise ValueError("the q8dot provider reads int8 weights without zero points; this one has them: use qgemv")
     return buf
@@ -274,10 +272,15 @@ def dot_usable() -> bool:
     return bool(torch.ops.numatp.dot_usable())
 
 
-def _dot_pack(w_nk, m, node=None):
+def _require_dot(provider: str) -> None:
     if not dot_usable():
-        raise RuntimeError("the dpbf16 provider needs AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids and later, "
-                           "AMD Zen 4 and later), which this CPU does not have; leave it out of GemmOptions.providers")
+        raise RuntimeError(f"the {provider} provider needs AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids and "
+                           "later, AMD Zen 4 and later), which this CPU does not have; leave it out of "
+                           "GemmOptions.providers")
+
+
+def _dot_pack(w_nk, m, node=None):
+    _require_dot("dpbf16")
     return torch.ops.numatp.dot_pack(w_nk, -1 if node is None else node)
 
 
