@@ -21,6 +21,9 @@ from numatp.runtime.gemm.quant import QuantFormat
 from numatp.runtime.native import _HERE, compiler, load_ops
 
 FORMATS = ["int8", "int4:g32", "int4:g64", "int4:g128", "int4:g32+zeros"]
+# the q8dot provider's CPUs, by the flags Linux lists (numatp's own check is what the tests exercise)
+NEEDS_BF16_DOT = pytest.mark.skipif(
+    "avx512_bf16" not in Path("/proc/cpuinfo").read_text(), reason="q8dot needs AVX512-BF16")
 # K per format: int8 with a tail past the vectors; int4 with a partial last chunk of 128 where the group allows
 K_OF = {"int8": 296, "int4:g32": 352, "int4:g64": 320, "int4:g128": 384, "int4:g32+zeros": 352}
 
@@ -121,8 +124,7 @@ def test_shape_and_provider_fields():
 
 
 PROVIDER_FORMATS = [(p, f) for p in ("qgemv", "qtile", "q8_aten") for f in FORMATS if p != "q8_aten" or f == "int8"]
-PROVIDER_FORMATS.append(pytest.param("q8dot", "int8", marks=pytest.mark.skipif(
-    "avx512_bf16" not in Path("/proc/cpuinfo").read_text(), reason="q8dot needs AVX512-BF16")))
+PROVIDER_FORMATS.append(pytest.param("q8dot", "int8", marks=NEEDS_BF16_DOT))
 
 
 @pytest.mark.integration
@@ -172,8 +174,7 @@ def test_qembedding_is_the_dequantized_rows(fmt):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("provider", ["qgemv", "qtile", pytest.param("q8dot", marks=pytest.mark.skipif(
-    "avx512_bf16" not in Path("/proc/cpuinfo").read_text(), reason="q8dot needs AVX512-BF16"))])
+@pytest.mark.parametrize("provider", ["qgemv", "qtile", pytest.param("q8dot", marks=NEEDS_BF16_DOT)])
 def test_kernels_on_two_threads(provider):
     load_ops()
     gen = torch.Generator().manual_seed(2)
