@@ -27,7 +27,10 @@
 //        vpermps table on AVX-512), x in fp32 (bf16 x widened once per call, exact; fp32 x never
 //        rounded). qgemv's int8 takes this path for bf16 x too: widening int8 to bf16 for dpbf16 goes
 //        through fp32 anyway (vpmovsxbd, vcvtdq2ps, then vcvtne2ps2bf16), and measured on an AVX-512/AMX
-//        Xeon (1 thread, 1024 x 1024 int8 in L2), the fp32 FMAs ran 1.4x (1 row) to 1.6x (4 rows) faster;
+//        Xeon (1 thread, 1024 x 1024 int8 in L2), the fp32 FMAs ran 1.4x (1 row) to 1.6x (4 rows) faster.
+//        int8 as two nibbles through dpbf16 (int4's bf16 128 + n, with x and 16 x; one Zen 4 core, one
+//        row) read 15-16 GB/s from memory against this path's 12-13, but 18 against 26 from L2, and with
+//        both cores streaming 20-27 GB/s in all, as this path (alternated, two runs): it stays;
 //   AVX512-BF16, int8 and bf16 x, asked for (the q8dot provider, int8_dot): that widening to bf16, once
 //        per 32 values for all of a pass's rows (passes of up to 8), then one dpbf16 of 32 products per
 //        row where the fp32 path runs two FMAs of 16 (i8_bf16). Where several rows share the widened
