@@ -114,8 +114,9 @@ inline void put(const float* sums, std::int64_t r0, std::int64_t rows, std::int6
 // layout (16 channels x a pair of k) is the operand VDPBF16PS takes against one pair of x broadcast, so MR
 // rows x NB blocks of sums stay in registers while the group goes by. A decode step's rows (kWide false,
 // 8 x 4: all 32 registers hold sums) take each weight row once per block, the group streamed from memory
-// (fetched ahead, but for one row: see below); a prompt's (kWide true, 6 x 4: 24 sums, 4 weight rows, the broadcast) load a k pair's
-// rows of all NB blocks at once and use each broadcast pair of x for all of them (the group from cache).
+// (fetched ahead by software only for 5-8 rows: see below); a prompt's (kWide true, 6 x 4: 24 sums, 4
+// weight rows, the broadcast) load a k pair's rows of all NB blocks at once and use each broadcast pair of
+// x for all of them (the group from cache).
 // Sums into c as decode_group leaves them (block b's row r at c + b * 256 + r * 16).
 inline __m512bh x_pair(const u16* x, std::int64_t at) {
   std::uint32_t pair;
@@ -130,21 +131,24 @@ void dot_group(const u16* wg, const u16* x, std::int64_t kp, float* c, bool once
     for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
   for (std::int64_t ch = 0; ch < kp / kChunk; ++ch) {
     const u16* t = wg + ch * NB * kTile;
-    if constexpr (MR == 1) {
-      // one row: the chunk's tiles one after another, each in address order (the empty asm keeps the
+    if constexpr (MR <= 4) {
+      // up to 4 rows: the chunk's tiles one after another, each in address order (the empty asm keeps the
       // compiler from interleaving the four tiles' loads, 1 KiB apart), and no software prefetch: the
       // hardware's own keeps up with one stream read in order. Zen 4, gpt2-medium's shard shapes in turn
-      // on two threads at once (a test program): 29.6 GB/s in all against 22.9 interleaved and prefetched
-      // as before, 26.9 in order and prefetched; one thread 23.6 against 15.6. Whole decode steps, 2
-      // virtual sockets, the variants alternated in one process: gpt2-medium 27.0 ms against 28.8 (8
-      // rounds), 26.0 against 26.8 (12) and 25.3 against 25.5 (6); qwen2.5-0.5b 36.6 against 38.1 (6); in
-      // order but prefetched no faster than before. With 8 rows (below, as before) it measured no faster
-      // (44.4 against 43.6 ms): there the dot products, not the stream, set the pace.
+      // on two threads at once (a test program), one row: 29.6 GB/s in all against 22.9 interleaved and
+      // prefetched as before, 26.9 in order and prefetched; one thread 23.6 against 15.6. Whole decode
+      // steps, 2 virtual sockets, the variants alternated in one process: one row, gpt2-medium 27.0 ms
+      // against 28.8 (8 rounds), 26.0 against 26.8 (12) and 25.3 against 25.5 (6), qwen2.5-0.5b 36.6
+      // against 38.1 (6), in order but prefetched no faster than before; 2 rows (gpt2-medium) 26.3 against
+      // 28.4, 4 rows 30.4 against 31.2 (6 each). With 8 rows (below, as before) it measured no faster
+      // (44.4 against 43.6 ms a step): there the dot products, not the stream, set the pace.
       (void)once;
       for (int b = 0; b < NB; ++b) {
-        for (int r = 0; r < kChunk / 2; ++r)
-          acc[0][b] = _mm512_dpbf16_ps(acc[0][b], x_pair(x, ch * kChunk + 2 * r),
-                                       (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock));
+        for (int r = 0; r < kChunk / 2; ++r) {
+          const __m512bh w = (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock);
+          for (int i = 0; i < MR; ++i)
+            acc[i][b] = _mm512_dpbf16_ps(acc[i][b], x_pair(x, i * kp + ch * kChunk + 2 * r), w);
+        }
         asm volatile("" ::: "memory");
       }
     } else if constexpr (!kWide) {
@@ -179,7 +183,8 @@ void dot_linear(const u16* packed, std::int64_t n, std::int64_t k, const u16* x,
   const std::int64_t kp = padded_k(k), nb = blocks(n), groups = (nb + kGroup - 1) / kGroup;
   std::vector<u16> xp(static_cast<std::size_t>(m * kp), u16(0));   // x, zero past K
   // rows in one pass (8 or fewer): each weight line is read once, so fetched non-temporal (vec.h's
-  // ahead_once); more rows read the group again from L2. Decode steps on 2 virtual sockets of a 2-core Zen 5
+  // ahead_once) where a pass fetches ahead at all (5-8 rows, see dot_group); more rows read the group again
+  // from L2. Decode steps on 2 virtual sockets of a 2-core Zen 5
   // (bf16 weights, 64 new tokens; the two hints alternated within one process by a switch built for the
   // test, median ms per step): qwen2.5-0.5b 18.9 kept, 15.9 non-temporal (12 runs each); gpt2-medium 14.8
   // and 13.3 (10 each). The same switch in quant.cpp's int4 kernel: 7.9 and 8.05 ms, so it keeps ahead().

@@ -35,7 +35,7 @@ few rows are timed streaming their weight; 3: a streamed rate is the mean over t
 :func:`~numatp.runtime.gemm.measurement.measure_all`; 4: ``mkl_packed`` writes a gathered matmul's columns in
 place; 5: ``gemv`` reads the weight once for up to 8 rows, not 4; 6: ``gemv`` sums 7-8 rows of a (K, N)
 weight in column strips; 7: the ``amx`` provider, which a table of rates taken before it would never
-time; 8: the ``dpbf16`` provider, likewise; 9: ``dpbf16`` reads one row in address order without software
+time; 8: the ``dpbf16`` provider, likewise; 9: ``dpbf16`` reads up to 4 rows in address order without software
 prefetch, faster than the rates an older table holds for it), so no choice compares rates taken one way against
 rates taken the other."""
 
