@@ -184,10 +184,10 @@ void dot_linear(const u16* packed, std::int64_t n, std::int64_t k, const u16* x,
   std::vector<u16> xp(static_cast<std::size_t>(m * kp), u16(0));   // x, zero past K
   // rows in one pass (8 or fewer): each weight line is read once, so fetched non-temporal (vec.h's
   // ahead_once) where a pass fetches ahead at all (5-8 rows, see dot_group); more rows read the group again
-  // from L2. Decode steps on 2 virtual sockets of a 2-core Zen 5
-  // (bf16 weights, 64 new tokens; the two hints alternated within one process by a switch built for the
-  // test, median ms per step): qwen2.5-0.5b 18.9 kept, 15.9 non-temporal (12 runs each); gpt2-medium 14.8
-  // and 13.3 (10 each). The same switch in quant.cpp's int4 kernel: 7.9 and 8.05 ms, so it keeps ahead().
+  // from L2. Decode steps on 2 virtual sockets of a 2-core Zen 5 (bf16 weights, 64 new tokens; the two hints
+  // alternated within one process by a switch built for the test, median ms per step): qwen2.5-0.5b 18.9
+  // kept, 15.9 non-temporal (12 runs each); gpt2-medium 14.8 and 13.3 (10 each). The same switch in
+  // quant.cpp's int4 kernel: 7.9 and 8.05 ms, so it keeps ahead().
   const bool once = m <= 8;
   for (std::int64_t r = 0; r < m; ++r) std::memcpy(xp.data() + r * kp, x + r * k, static_cast<std::size_t>(k) * 2);
   numatp_vec::parallel(groups, 1, [&](std::int64_t g0, std::int64_t g1) {
