@@ -131,7 +131,7 @@ void dot_group(const u16* wg, const u16* x, std::int64_t kp, float* c, bool once
     for (int b = 0; b < NB; ++b) acc[i][b] = _mm512_setzero_ps();
   for (std::int64_t ch = 0; ch < kp / kChunk; ++ch) {
     const u16* t = wg + ch * NB * kTile;
-    if constexpr (MR <= 4) {
+    if constexpr (!kWide) {
       // up to 4 rows: the chunk's tiles one after another, each in address order (the empty asm keeps the
       // compiler from interleaving the four tiles' loads, 1 KiB apart), and no software prefetch: the
       // hardware's own keeps up with one stream read in order. Zen 4, gpt2-medium's shard shapes in turn
@@ -140,29 +140,25 @@ void dot_group(const u16* wg, const u16* x, std::int64_t kp, float* c, bool once
       // steps, 2 virtual sockets, the variants alternated in one process: one row, gpt2-medium 27.0 ms
       // against 28.8 (8 rounds), 26.0 against 26.8 (12) and 25.3 against 25.5 (6), qwen2.5-0.5b 36.6
       // against 38.1 (6), in order but prefetched no faster than before; 2 rows (gpt2-medium) 26.3 against
-      // 28.4, 4 rows 30.4 against 31.2 (6 each). With 8 rows (below, as before) it measured no faster
-      // (44.4 against 43.6 ms a step): there the dot products, not the stream, set the pace.
-      (void)once;
+      // 28.4, 4 rows 30.4 against 31.2 (6 each). With 5-8 rows it measured no faster (8 rows: 44.4
+      // against 43.6 ms a step): there the dot products, not the stream, set the pace, so those passes
+      // keep the prefetch and the compiler's order.
+      constexpr bool kInOrder = MR <= 4;
+      if constexpr (!kInOrder) {
+        const char* next = reinterpret_cast<const char*>(t) + kDotAheadBytes;
+        for (std::int64_t i = 0; i < NB * kTile * 2; i += 64) {
+          if (once) numatp_vec::ahead_once(next + i);
+          else numatp_vec::ahead(next + i);
+        }
+      }
       for (int b = 0; b < NB; ++b) {
         for (int r = 0; r < kChunk / 2; ++r) {
           const __m512bh w = (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock);
           for (int i = 0; i < MR; ++i)
             acc[i][b] = _mm512_dpbf16_ps(acc[i][b], x_pair(x, i * kp + ch * kChunk + 2 * r), w);
         }
-        asm volatile("" ::: "memory");
+        if constexpr (kInOrder) asm volatile("" ::: "memory");
       }
-    } else if constexpr (!kWide) {
-      const char* next = reinterpret_cast<const char*>(t) + kDotAheadBytes;
-      for (std::int64_t i = 0; i < NB * kTile * 2; i += 64) {
-        if (once) numatp_vec::ahead_once(next + i);
-        else numatp_vec::ahead(next + i);
-      }
-      for (int b = 0; b < NB; ++b)
-        for (int r = 0; r < kChunk / 2; ++r) {
-          const __m512bh w = (__m512bh)_mm512_loadu_si512(t + b * kTile + r * 2 * kBlock);
-          for (int i = 0; i < MR; ++i)
-            acc[i][b] = _mm512_dpbf16_ps(acc[i][b], x_pair(x, i * kp + ch * kChunk + 2 * r), w);
-        }
     } else {
       for (int r = 0; r < kChunk / 2; ++r) {
         __m512bh w[NB];
