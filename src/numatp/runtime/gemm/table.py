@@ -29,15 +29,16 @@ __all__ = ["TABLE_FORMAT", "GemmTable", "ceiling_table", "ceilings", "default_ca
 
 default_cache_dir = cache_dir  # ``~/.cache/numatp``, or as numatp._cache.cache_dir says
 
-TABLE_FORMAT = 9
+TABLE_FORMAT = 10
 """Part of the table's file name: a change of how rates are measured starts a new table (2: shapes of
 few rows are timed streaming their weight; 3: a streamed rate is the mean over the ring's copies, see
 :func:`~numatp.runtime.gemm.measurement.measure_all`; 4: ``mkl_packed`` writes a gathered matmul's columns in
 place; 5: ``gemv`` reads the weight once for up to 8 rows, not 4; 6: ``gemv`` sums 7-8 rows of a (K, N)
 weight in column strips; 7: the ``amx`` provider, which a table of rates taken before it would never
 time; 8: the ``dpbf16`` provider, likewise; 9: ``dpbf16`` reads up to 4 rows in address order without software
-prefetch, faster than the rates an older table holds for it), so no choice compares rates taken one way against
-rates taken the other."""
+prefetch, faster than the rates an older table holds for it; 10: ``gemv`` reads one row's fp32 (or
+widened bf16) weight rows one after another, likewise faster), so no choice compares rates taken one way
+against rates taken the other."""
 
 
 def is_rate(value: object) -> bool:
