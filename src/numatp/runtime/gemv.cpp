@@ -7,10 +7,12 @@
 // packing):
 //
 //   "nk" (nn.Linear, (N, K) rows): each output is a dot product along a weight row; 4-16 rows at a time,
-//        the x rows reused from L1, fp32 accumulators reduced once per output;
+//        the x rows reused from L1, fp32 accumulators reduced once per output (one row of x through fp32
+//        FMAs: the weight rows one after another, dot_row);
 //   "kn" (GPT-2 Conv1D, (K, N) rows): each weight row scales into partial outputs, four weight rows at
-//        a time, each thread over its own band of rows; the bands' partials are added at the end (7 or 8
-//        rows of x: column strips summed in registers over blocks of 16 weight rows, see kn_strips).
+//        a time (one row of bf16 x on AVX2: one at a time, kn_band_in_turn), each thread over its own band
+//        of rows; the bands' partials are added at the end (7 or 8 rows of x: column strips summed in
+//        registers over blocks of 16 weight rows, see kn_strips).
 //
 // Any number of rows of x, in passes of up to 8 (past 8 the weight is read again per pass; ops.cpp calls
 // it for up to 16): a decode step of a batch of 8 sequences streams each weight once (measured, bf16, one
@@ -44,8 +46,9 @@ inline void put(T* y, int64_t at, float sum, const T* bias, int64_t col) {
 // Software prefetch of the weight ahead of the loads: measured on an AVX-512 Xeon (2 threads, 48
 // weights of 8 MiB), it takes the "nk" loop from 17-21 to 20-27 GB/s and the "kn" one from 15-16 to
 // 21-25 where a row is 2 KiB: the hardware prefetcher alone keeps too few lines in flight for one core.
-// "nk" reads 16 rows at once, 512 bytes ahead in each (1 x 1024 x 25128 bf16, ten weights in turn, modes
-// interleaved: 7.9 -> 8.9 GB/s on 1 thread, 14.6 -> 16.9 on 2, against 4 rows 1 KiB ahead; fp32 unchanged).
+// "nk"'s dot_block reads 16 rows at once, 512 bytes ahead in each (1 x 1024 x 25128 bf16, ten weights in
+// turn, modes interleaved: 7.9 -> 8.9 GB/s on 1 thread, 14.6 -> 16.9 on 2, against 4 rows 1 KiB ahead;
+// fp32 unchanged); one row through fp32 FMAs reads the rows in turn instead (dot_row, kRowAheadBytes).
 constexpr int64_t kAheadBytes = 512;    // "nk": this far along each weight row
 constexpr int64_t kAheadRows = 4;       // "kn": this many weight rows down
 
@@ -117,8 +120,8 @@ void dot_block(const T* x, const T* w, const T* bias, T* y, int64_t k, int64_t n
 }
 
 // One row of x through the fp32 FMAs (fp32 weights, or bf16 widened where the CPU has no bf16 dot
-// product): the block's weight rows one after another, each in four chains of sums, so that the weight
-// is one stream front to back (the rows of a block follow each other in memory), fetched kRowAheadBytes
+// product): a thread's weight rows one after another, each in four chains of sums, so that its part of the
+// weight is one stream front to back (its rows follow each other in memory), fetched kRowAheadBytes
 // ahead along it, on into the next rows. Reading 16 rows side by side, each 512 bytes ahead, streamed
 // less: fp32, two threads at once (as two sockets), each reading its own weights in turn from memory,
 // the two orders alternated in one test program on a 2-core Zen 4 (GB/s in all): 2432 x 896 28.4
