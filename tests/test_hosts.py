@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,45 @@ def test_a_process_keeps_only_its_ranks_index_sets():
     assert local.bindings[3].placement == Rowwise(1, halves[2:]) and local.bindings[3].state
     with pytest.raises(ValueError, match="plan rank 3 is not one of this process's ranks 0 to 1"):
         for_process(prog, 0, 2)
+
+
+def test_a_cross_host_sum_reuses_its_gather_buffer_and_takes_a_new_one_where_it_is_in_use():
+    """The sum of a shape gathers into the buffer of the sum before (a decode step's reductions), a new
+    shape gets a new one, and a sum that finds the kept buffer in use by another thread's gathers into a
+    buffer of its own: every sum right. The process group is a stand-in whose gather fills each process's
+    part (process p sends the tensor plus p)."""
+    from numatp.runtime.hosts import Hosts
+
+    gathered: list[list[torch.Tensor]] = []
+
+    class Done:
+        def wait(self):
+            return True
+
+    class Group:
+        def allgather(self, outs, ins):
+            gathered.append(outs[0])
+            for p, part in enumerate(outs[0]):
+                part.copy_(ins[0] + p)
+            return Done()
+
+    hosts = Hosts.__new__(Hosts)   # the collective's state only: no torch.distributed here
+    hosts.size, hosts.group = 2, Group()
+    hosts._gather, hosts._gather_lock = None, threading.Lock()
+    t = torch.arange(4.0).reshape(1, 1, 4)
+    for _ in range(2):
+        x = t.clone()
+        hosts._sum(x)
+        assert torch.equal(x, 2 * t + 1)
+    assert gathered[0][0].data_ptr() == gathered[1][0].data_ptr()   # the same buffer, twice
+    y = torch.ones(1, 2, 4, dtype=torch.bfloat16)
+    hosts._sum(y)
+    assert torch.equal(y, torch.full((1, 2, 4), 3.0, dtype=torch.bfloat16))
+    kept = hosts._gather[1].data_ptr()
+    with hosts._gather_lock:   # another thread's sum holds the kept buffer
+        z = torch.ones(1, 2, 4, dtype=torch.bfloat16)
+        hosts._sum(z)
+    assert torch.equal(z, y) and gathered[-1][0].data_ptr() != kept and hosts._gather[1].data_ptr() == kept
 
 
 def test_bad_host_options_are_named():

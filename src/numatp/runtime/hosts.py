@@ -90,9 +90,11 @@ class Hosts:
         self.performed = 0   # cross-host all-reduces completed
         self.seconds = 0.0   # spent in them (waiting for the slowest host included)
         # the last gather's buffer (every process's part) and its parts, kept for the next sum of the same
-        # shape: a decode step's reductions all have one. Sums run one at a time (socket 0's worker during a
-        # call, the calling thread after it), so one buffer serves them
+        # shape: a decode step's reductions all have one. A call's sums run one at a time (socket 0's worker
+        # during the call, the calling thread after it); a sum that finds the buffer in use by another
+        # thread's gathers into a new one
         self._gather: tuple[Any, torch.Tensor, list[torch.Tensor]] | None = None
+        self._gather_lock = threading.Lock()
         self._store = _store()
         counts: list[Any] = [None] * self.size
         self._call(dist.all_gather_object, counts, int(sockets), group=self.group)
@@ -136,15 +138,22 @@ class Hosts:
             self.group.allreduce([t]).wait()
             return
         key = (t.shape, t.dtype)
-        kept = self._gather
-        if kept is None or kept[0] != key:
-            # a new buffer a call cost 25 us more than one gathered into before (166 against 139-141 us,
-            # 2 KiB between two processes on a 2-core VM), where making it takes 4
-            parts = torch.empty((self.size, *t.shape), dtype=t.dtype)
-            kept = self._gather = (key, parts, list(parts.unbind(0)))
-        _, parts, views = kept
-        self.group.allgather([views], [t]).wait()
-        torch.sum(parts, dim=0, out=t)
+        mine = self._gather_lock.acquire(blocking=False)
+        try:
+            kept = self._gather if mine else None
+            if kept is None or kept[0] != key:
+                # a new buffer a call cost 25 us more than one gathered into before (166 against 139-141
+                # us, 2 KiB between two processes on a 2-core VM), where making it takes 4
+                parts = torch.empty((self.size, *t.shape), dtype=t.dtype)
+                kept = (key, parts, list(parts.unbind(0)))
+                if mine:
+                    self._gather = kept
+            _, parts, views = kept
+            self.group.allgather([views], [t]).wait()
+            torch.sum(parts, dim=0, out=t)
+        finally:
+            if mine:
+                self._gather_lock.release()
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Process ``src``'s ``t`` in every process, in place."""
