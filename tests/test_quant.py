@@ -144,9 +144,22 @@ def _dequantized_twin(model, compiled, calls):
     return twin
 
 
+def _quantizing_activations(twin: torch.nn.Module) -> torch.nn.Module:
+    """``twin`` with every weight matmul's input quantized as int8:a8's kernels read it (blocks of 32)."""
+    from transformers.pytorch_utils import Conv1D
+
+    def hook(module, args):
+        return (quant.quantize_activations(args[0]).to(args[0].dtype), *args[1:])
+
+    for m in twin.modules():
+        if isinstance(m, (torch.nn.Linear, Conv1D)):
+            m.register_forward_pre_hook(hook)
+    return twin
+
+
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["int8", "int4:g32"])
+@pytest.mark.parametrize("weights", ["int8", "int4:g32", "int8:a8"])
 def test_greedy_tokens_of_a_quantized_model_equal_its_dequantized_twin(weights, recorded_calls, tmp_path):
     fresh_dynamo()
     torch.manual_seed(0)
@@ -156,9 +169,55 @@ def test_greedy_tokens_of_a_quantized_model_equal_its_dequantized_twin(weights, 
         compiled = numatp.compile(model, sockets=2, weights=weights, gemm=GemmOptions(force="q_dequant"))
         out = compiled.generate(ids, max_new_tokens=6)
     twin = _dequantized_twin(model, compiled, recorded_calls)
+    if weights == "int8:a8":
+        twin = _quantizing_activations(twin)
     expected = twin.generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, expected)
     rep = numatp.placement_report(compiled)
     plain_bytes = sum(p.nbytes for p in model.parameters())
     # int8 (or int4) shards and int8 tables: each socket holds well under half of the fp32 model's bytes
     assert all(r["bytes"] < 0.5 * plain_bytes for r in rep["ranks"])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sockets", [1, pytest.param(2, marks=pytest.mark.slow), 4])
+def test_int8_activations_equal_a_twin_that_quantizes_each_matmuls_input(sockets, recorded_calls, tmp_path):
+    # The plumbing (which matmuls quantize their input, in which blocks, the head's too, at any socket count:
+    # a shard's input is whole blocks) with q_dequant, which quantizes x as the twin does; the kernels are
+    # checked against the same reference call by call (test_quant_kernels.py). Quantizing makes the model
+    # step-wise: one fp32 rounding of difference (a sum over sockets in another order, Inductor's norm) can
+    # move a value across a rounding boundary of its block, and the logits of that position and the ones
+    # after it (attention) by about 1e-2 (measured: positions 4-9 of 10 at 4 sockets). So: the positions
+    # before any such step equal the twin's to fp32 rounding, at least half of them, where the weight-only
+    # product matches none, and no position is further off than one step moves it.
+    fresh_dynamo()
+    torch.manual_seed(0)
+    # (tiny llama's MLP of 704 splits into shards of 176 at 4 sockets: not whole blocks of 32)
+    model = zoo.build("llama-3.2-1b", tiny=True).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(1))
+    with private_cache(str(tmp_path)), torch.no_grad():
+        compiled = numatp.compile(model, sockets=shared_cpu_topology(sockets), weights="int8:a8",
+                                  gemm=GemmOptions(force="q_dequant"))
+        out = compiled(ids).logits
+        rows = backend_of(compiled).gemm_report()
+        assert rows and {r["storage"] for r in rows} == {"int8:a8"}   # the head's activations too
+        twin = _dequantized_twin(model, compiled, recorded_calls)
+        weight_only = twin(ids).logits
+        expected = _quantizing_activations(twin)(ids).logits
+
+    def equal(a, b):   # per position: equal to fp32 rounding
+        return [torch.allclose(a[0, p], b[0, p], atol=2e-5, rtol=1e-4) for p in range(a.shape[1])]
+
+    same = equal(out, expected)
+    first_off = same.index(False) if False in same else len(same)
+    assert first_off >= len(same) // 2, same
+    assert not any(equal(out, weight_only))
+    assert (out - expected).abs().max() < 0.05
+
+
+@pytest.mark.unit
+def test_int8_activations_refuse_a_shard_that_is_not_whole_blocks(tmp_path):
+    ag, real = _traced("gpt2")   # tiny gpt2: 64 features; at 4 sockets the attention output's shards are 16 wide
+    with pytest.raises(ValueError, match=r"weights='int8:a8': \S*(attn|proj)\S* has a shard of input size 16 .* not a "
+                                         r"multiple of the activations' blocks of 32 \(int8:a8\); use 'int8'"):
+        _run_quantized(ag, real, 4, "int8:a8", tmp_path)

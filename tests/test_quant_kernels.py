@@ -239,7 +239,7 @@ def test_fallback_paths(tmp_path, isa):
     ptr = ctypes.c_void_p
     i64 = ctypes.c_int64
     lib.numatp_qgemv.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, ptr, ctypes.c_int, ptr, ptr, i64,
-                                 ctypes.c_int]
+                                 ctypes.c_int, ctypes.c_int]
     lib.numatp_qdequant.argtypes = [ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, i64, ptr, ctypes.c_int]
     gen = torch.Generator().manual_seed(3)
     for fmt in FORMATS:
@@ -254,12 +254,25 @@ def test_fallback_paths(tmp_path, isa):
                 b = torch.randn(n, generator=gen).to(dtype)
                 y = torch.empty(m, n, dtype=dtype)
                 lib.numatp_qgemv(*sections, h["bits"], n, k, h["group"], x.data_ptr(), int(dtype == torch.bfloat16),
-                                 b.data_ptr(), y.data_ptr(), m, 0)
+                                 b.data_ptr(), y.data_ptr(), m, 0, 0)
                 _check(y, x, buf, b, f"{isa} qgemv {fmt} {dtype} m={m}")
             wd = torch.empty(n - 3, k, dtype=dtype)
             lib.numatp_qdequant(*sections, h["bits"], n, k, h["group"], 3, n, wd.data_ptr(),
                                 int(dtype == torch.bfloat16))
             assert torch.equal(wd, quant.dequantize(buf)[3:].to(dtype)), f"{isa} dequantize {fmt} {dtype}"
+    # int8:a8 (AVX2: vpmaddubsw on |q| and qx with q's sign; scalar: int32 sums)
+    for k in (32, 96, 1056):
+        n = 24
+        buf = quant.quantize(torch.randn(n, k, generator=gen), "int8:a8")
+        h = quant.header(buf)
+        base = buf.data_ptr()
+        for dtype in (torch.float32, torch.bfloat16):
+            for m in (1, 3, 4, 7):
+                x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k // 32).repeat_interleave(32)).to(dtype)
+                y = torch.empty(m, n, dtype=dtype)
+                lib.numatp_qgemv(base + h["q_off"], base + h["s_off"], None, 8, n, k, k, x.data_ptr(),
+                                 int(dtype == torch.bfloat16), None, y.data_ptr(), m, 0, 1)
+                _check_a8(y, x, buf, None, f"{isa} qgemv int8:a8 {dtype} k={k} m={m}")
 
 
 @pytest.mark.integration
@@ -276,3 +289,104 @@ def test_q8dot_is_measured_where_the_cpu_has_it_and_refuses_zero_points():
     else:
         with pytest.raises(RuntimeError, match="q8dot provider needs AVX512-BF16"):
             PROVIDERS["q8dot"].prepare(with_zeros, 4)
+
+
+# ---- int8:a8: int8 weights, activations quantized in blocks of 32 ----
+
+def _check_a8(y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor, bias: torch.Tensor | None, what: str,
+              *, rounded: bool = False) -> None:
+    """``y`` against ``quantize_activations(x) @ dequantize(buf).T + b``: x's blocks quantized as the kernels
+    read them (``rounded``: then rounded to x's dtype, as the prompt providers multiply them), the tolerance
+    of ``y``'s dtype as in :func:`_check`."""
+    xq = quant.quantize_activations(x)
+    if rounded:
+        xq = xq.to(x.dtype)
+    w = quant.dequantize(buf)
+    ref = xq.float() @ w.T + (bias.float() if bias is not None else 0)
+    mag = xq.float().abs() @ w.abs().T + (bias.float().abs() if bias is not None else 0)
+    k = x.shape[1]
+    tol = mag * (2 * k * torch.finfo(torch.float32).eps if y.dtype == torch.float32 else 2.0 ** -7)
+    err = (y.float() - ref).abs()
+    assert y.dtype == x.dtype and y.shape == ref.shape, f"{what}: {y.dtype} {tuple(y.shape)}"
+    assert bool((err <= tol + 1e-30).all()), \
+        f"{what}: max error {err.max().item():.3g}, worst error/tolerance {(err / (tol + 1e-30)).max().item():.3g}"
+
+
+@pytest.mark.unit
+def test_activation_quantization_reference():
+    # blocks of 32 along the last dimension: d = max|x| / 127, q = round(x / d) (ties to even), x^ = q d
+    x = torch.zeros(2, 64)
+    x[0, :32] = torch.linspace(-2.54, 2.54, 32)
+    x[0, 5] = 0.015   # 0.75 steps of d = 0.02: one step
+    x[1, 32:] = 3.0
+    got = quant.quantize_activations(x)
+    d = 2.54 / 127
+    assert torch.allclose(got[0, :32].view(-1)[[0, 31]], torch.tensor([-2.54, 2.54]))
+    assert torch.equal(got[0, 32:], torch.zeros(32)) and torch.equal(got[1, :32], torch.zeros(32))
+    assert torch.equal(got[1, 32:], torch.full((32,), 3.0))
+    assert abs(got[0, 5].item() - d) < 1e-7
+    assert ((got[0, :32] - x[0, :32]).abs() <= d / 2 + 1e-7).all()
+    with pytest.raises(ValueError, match="blocks of 32; an input of 40 features"):
+        quant.quantize_activations(torch.zeros(1, 40))
+
+
+@pytest.mark.unit
+def test_a8_format_and_its_errors():
+    f = QuantFormat.parse("int8:a8")
+    assert (f.bits, f.group, f.act, f.name) == (8, None, 8, "int8:a8")
+    buf = quant.quantize(torch.randn(4, 64), f)
+    assert quant.header(buf)["act"] == 8 and quant.format_of(buf) == f
+    assert quant.header(quant.quantize(torch.randn(4, 64), "int8"))["act"] == 0
+    w = torch.randn(4, 64)
+    a8, w8 = quant.unpack(quant.quantize(w, "int8:a8")), quant.unpack(quant.quantize(w, "int8"))
+    assert torch.equal(a8.q, w8.q) and torch.equal(a8.scales, w8.scales)   # the weight is int8's
+    with pytest.raises(ValueError, match="with int8 weights only; use 'int8:a8', or int4:g64"):
+        QuantFormat.parse("int4:g64:a8")
+    with pytest.raises(ValueError, match="with int8 weights only"):
+        QuantFormat.parse("int8:a4")
+    with pytest.raises(ValueError, match="input size of 48, not a multiple of the activations' blocks of 32"):
+        quant.quantize(torch.randn(4, 48), "int8:a8")
+    with pytest.raises(ValueError, match="no zero points"):
+        quant.from_values(torch.zeros(2, 32), torch.ones(2, 1), torch.zeros(2, 1), "int8:a8")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("provider", ["qgemv", "qtile", "q8_aten", "q_dequant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a8_kernels_equal_the_activation_quantized_reference(provider, dtype):
+    load_ops()
+    gen = torch.Generator().manual_seed(5)
+    p = PROVIDERS[provider]
+    for k in (32, 96, 160, 1056):   # one block; K % 64 == 32 and K % 128 == 32 or 96 (the masked tails)
+        for n in (9, 72):
+            buf = quant.quantize(torch.randn(n, k, generator=gen), "int8:a8")
+            for m in (1, 2, 3, 4, 5, 16, 40):
+                if p.max_rows is not None and m > p.max_rows:
+                    continue
+                # blocks of very different scales, and one of zeros
+                x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 2, k // 32).repeat_interleave(32)
+                if k > 32:
+                    x[:, :32] = 0
+                x = x.to(dtype)
+                for bias in (None, torch.randn(n, generator=gen).to(dtype)):
+                    y = p.call(x, buf, bias, n, k)
+                    _check_a8(y, x, buf, bias, f"{provider} int8:a8 {dtype} k={k} m={m} n={n}",
+                              rounded=provider != "qgemv")
+                    if provider == "qgemv" and m == 1 and bias is None:   # not the weight-only product
+                        plain = p.call(x, quant.quantize(quant.dequantize(buf), "int8"), None, n, k)
+                        assert not torch.equal(y, plain)
+
+
+@pytest.mark.integration
+def test_a8_is_not_read_by_the_weight_only_kernel():
+    load_ops()
+    a8 = GemmShape(4, 1024, 4096, "bfloat16", "nk", 2, weights="int8:a8")
+    assert a8.act == 8 and a8.bits == 8 and GemmShape.from_key(a8.key) == a8
+    assert PROVIDERS["qgemv"].runs(a8) and PROVIDERS["qtile"].runs(a8) and PROVIDERS["q8_aten"].runs(a8)
+    assert not PROVIDERS["q8dot"].runs(a8)
+    buf = quant.quantize(torch.randn(8, 64), "int8:a8")
+    if numatp_dot_usable():
+        with pytest.raises(ValueError, match="weight-only int8; this weight's activations are quantized"):
+            PROVIDERS["q8dot"].prepare(buf, 4)
+        with pytest.raises(RuntimeError, match="activations are quantized too"):
+            torch.ops.numatp.linear(torch.randn(1, 64).bfloat16(), buf, None, NATIVE["q8dot"], 8, 64)

@@ -83,7 +83,9 @@ class QuantWeights:
         """``weights`` as ``numatp.compile`` takes it ("int8", "int4", "int4:g32", None)."""
         if weights is None:
             return None
-        return cls(QuantFormat.parse(weights), None if keep_head else QuantFormat(8))
+        body = QuantFormat.parse(weights)
+        # the head's int8 quantizes its activations where the body's do
+        return cls(body, None if keep_head else QuantFormat(8, act=body.act))
 
     def format_for(self, head: bool) -> QuantFormat | None:
         return self.head if head else self.body
@@ -288,13 +290,10 @@ class GemmSelector:
                 if fmt is None:
                     continue
                 s0 = group_sites[0].shape
-                if not fmt.fits(s0.k):
-                    fit = fmt.fitting_groups(s0.k)
-                    raise ValueError(
-                        f"weights='{fmt}': {_weight_name(ph)} has a shard of input size {s0.k} on a socket, "
-                        f"not a multiple of the int4 group {fmt.group}; "
-                        + (f"groups that fit: {', '.join(f'int4:g{g}' for g in fit)}" if fit
-                           else "no int4 group (32, 64, 128) divides it: use weights='int8'"))
+                why = fmt.misfit(s0.k)
+                if why:
+                    raise ValueError(f"weights='{fmt}': {_weight_name(ph)} has a shard of input size {s0.k} on a "
+                                     f"socket, {why}")
                 q_bytes = quant_nbytes(s0.n, s0.k, fmt)
                 scaled = [replace(s, shape=replace(
                     s.shape, weights=fmt.name,

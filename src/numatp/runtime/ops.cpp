@@ -51,7 +51,8 @@ void numatp_gemv_rows_bf16(const std::uint16_t* x, const std::uint16_t* w, const
 // quant.cpp: over a quantized weight's sections (numatp.runtime.gemm.quant's buffer)
 void numatp_qgemv(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n, std::int64_t k,
                   std::int64_t group, const void* x, int x_bf16, const void* bias, void* y, std::int64_t m,
-                  int int8_dot);
+                  int int8_dot, int act8);
+void numatp_qact8(const void* x, int x_bf16, std::int64_t m, std::int64_t k, void* out);
 void numatp_qdequant(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n,
                      std::int64_t k, std::int64_t group, std::int64_t n0, std::int64_t n1, void* out, int to_bf16);
 void numatp_qrows(const std::uint8_t* q, const float* s, const float* z, int bits, std::int64_t n, std::int64_t k,
@@ -390,6 +391,7 @@ constexpr int64_t kQuantHeader = 128;
 
 struct QuantBuf {
   int64_t bits, n, k, group, zeros, q_off, s_off, z_off, q_bytes, total;
+  int64_t act;   // 8: the activations are quantized too (int8:a8), 0: weight-only
   const std::uint8_t* base;
   const std::uint8_t* q() const { return base + q_off; }
   const float* s() const { return reinterpret_cast<const float*>(base + s_off); }
@@ -405,13 +407,13 @@ QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
               "the plain providers");
   QuantBuf b{};
   b.base = w.const_data_ptr<std::uint8_t>();
-  int64_t h[12];
+  int64_t h[13];
   std::memcpy(h, b.base, sizeof h);
   TORCH_CHECK(h[0] == kQuantMagic && h[1] == kQuantVersion, who, ": the weight is not a numatp quantized buffer "
               "(magic ", h[0], ", version ", h[1], "; expected ", kQuantMagic, ", ", kQuantVersion,
               "): quantize it with numatp.runtime.gemm.quant.quantize");
   b.bits = h[2], b.n = h[3], b.k = h[4], b.group = h[5], b.zeros = h[6];
-  b.q_off = h[7], b.s_off = h[8], b.z_off = h[9], b.q_bytes = h[10], b.total = h[11];
+  b.q_off = h[7], b.s_off = h[8], b.z_off = h[9], b.q_bytes = h[10], b.total = h[11], b.act = h[12];
   TORCH_CHECK((n < 0 || b.n == n) && b.k == k, who, ": the quantized weight is (N, K) = (", b.n, ", ", b.k,
               "), the call asks for ", n < 0 ? std::string("K = ") + std::to_string(k)
                                               : "(" + std::to_string(n) + ", " + std::to_string(k) + ")");
@@ -419,6 +421,9 @@ QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
               " bits");
   TORCH_CHECK(b.group > 0 && b.k % b.group == 0 && (b.bits == 8 ? b.group == b.k : b.group % 32 == 0), who,
               ": a ", b.bits, "-bit weight of K = ", b.k, " cannot have groups of ", b.group);
+  TORCH_CHECK(b.act == 0 || (b.act == 8 && b.bits == 8 && !b.zeros && b.k % 32 == 0), who,
+              ": int8 activations (int8:a8) go with int8 weights without zeros and K a multiple of 32; the header "
+              "says activations ", b.act, ", ", b.bits, "-bit weights", b.zeros ? " with zeros" : "", ", K = ", b.k);
   const int64_t q_bytes = b.bits == 8 ? b.n * b.k : b.n * b.k / 2, s_bytes = b.n * b.groups() * 4;
   TORCH_CHECK(b.total == w.numel() && b.q_bytes == q_bytes && b.q_off >= kQuantHeader &&
                   b.q_off + q_bytes <= b.total && b.s_off % 4 == 0 && b.s_off + s_bytes <= b.total &&
@@ -431,6 +436,19 @@ QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
 void check_x(const at::Tensor& x, const char* who) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, who,
               ": activations are float32 or bfloat16 over a quantized weight, got ", x.scalar_type());
+}
+
+// x as an int8:a8 weight's kernels read it: each row's blocks of 32 quantized to int8 and back (qx * d),
+// in x's dtype. The prompt's providers (qtile, q8_aten) multiply this, so that a prompt and a decode step
+// quantize their activations alike (qgemv sums the integers themselves, in fp32: for bf16 x the prompt's
+// also rounds qx * d to bf16).
+at::Tensor act8(const at::Tensor& x) {
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  if (xc.numel() > 0)
+    numatp_qact8(xc.const_data_ptr(), xc.scalar_type() == at::kBFloat16, xc.size(0), xc.size(1),
+                 out.mutable_data_ptr());
+  return out;
 }
 
 // embedding(W, ids) of a (rows, k) table stored quantized: the rows dequantized in fp32 (as
@@ -471,6 +489,8 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const std::optional<a
               "; use qtile or q8_aten for more");
   if (int8_dot) {
     require_dot(who, "q8dot");
+    TORCH_CHECK(!b.act, who, ": reads weight-only int8, this weight's activations are quantized too (int8:a8); "
+                "use qgemv");
     TORCH_CHECK(b.bits == 8 && !b.zeros, who, ": reads int8 weights without zero points, got a ", b.bits,
                 "-bit weight", b.zeros ? " with zero points" : "", "; use qgemv");
     TORCH_CHECK(x.scalar_type() == at::kBFloat16, who, ": takes bf16 activations, got ", x.scalar_type(),
@@ -482,7 +502,7 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const std::optional<a
   if (m > 0 && n > 0)
     numatp_qgemv(b.q(), b.s(), b.z(), static_cast<int>(b.bits), n, k, b.group, xc.const_data_ptr(),
                  x.scalar_type() == at::kBFloat16, bb ? bb->const_data_ptr() : nullptr, y.mutable_data_ptr(), m,
-                 int8_dot ? 1 : 0);
+                 int8_dot ? 1 : 0, b.act ? 1 : 0);
   return y;
 }
 
@@ -493,11 +513,12 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& w, const std::optional<a
 // allows: one block for most layers, so that the GEMM runs on as many columns as it can.
 constexpr int64_t kTileBytes = 8 << 20;
 
-at::Tensor qtile(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
+at::Tensor qtile(at::Tensor x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
                  int64_t k) {
   const char* who = "numatp qtile";
   const QuantBuf b = quant_buf(w, n, k, who);
   check_x(x, who);
+  if (b.act) x = act8(x);   // int8:a8: the activations as its kernels read them
   const auto bb = bias_as(bias, x, n, who);
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
@@ -533,11 +554,12 @@ at::Tensor qtile(const at::Tensor& x, const at::Tensor& w, const std::optional<a
 
 // ATen's int8 weight-only GEMM on views into the buffer: the scales converted to x's dtype (rounded to
 // bf16 where x is bf16), the bias added to its output (a second rounding for bf16)
-at::Tensor q8_aten(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
+at::Tensor q8_aten(at::Tensor x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n,
                    int64_t k) {
   const char* who = "numatp q8_aten";
   const QuantBuf b = quant_buf(w, n, k, who);
   check_x(x, who);
+  if (b.act) x = act8(x);
   TORCH_CHECK(b.bits == 8 && !b.zeros, who, ": ATen's _weight_int8pack_mm reads int8 weights with one scale per "
               "output channel, not a ", b.bits, "-bit weight", b.zeros ? " with zeros" : "",
               "; use qgemv or qtile");

@@ -2,10 +2,18 @@
 
 A decode step reads every weight once per token, so its time is the weights' bytes over the memory's
 bandwidth; int8 weights read half of bf16's bytes, int4 about a quarter. numatp quantizes each weight
-matmul's shard on its own socket, after sharding (weight-only: activations stay in the model's dtype):
+matmul's shard on its own socket, after sharding (weight-only, activations staying in the model's dtype,
+but for ``int8:a8``):
 
 - ``int8``: symmetric, one scale per output channel: ``w[n, k] = q[n, k] * s[n]``; numatp's quantizer
   takes ``s = max_k |w[n, k]| / 127`` and ``q`` in [-127, 127] (values made elsewhere may hold -128).
+- ``int8:a8``: int8 weights as ``int8``, and the activations quantized too, as each matmul reads them:
+  every row of x in blocks of 32 along the input dimension, ``d = max |x| / 127`` and ``qx = round(x / d)``
+  (to nearest, ties to even; :func:`quantize_activations`), so that a decode step's products are integer
+  dot products (one VNNI instruction per 64 weight bytes), each block's sum scaled by its ``d`` in
+  float32. llama.cpp's Q8_0 quantizes the activations of its dot products so (blocks of 32). Not
+  weight-only: the model's activations lose the bits int8 cannot hold (see docs/quantization.md); a
+  shard's input size must be a multiple of 32, so that the blocks are the same at every socket count.
 - ``int4:gG`` (G = 32, 64 or 128; ``int4`` is ``int4:g64``): groups of G along the input dimension, one
   scale per group and output channel: ``w[n, k] = (q[n, k] - 8) * s[n, k // G] (+ z[n, k // G])``,
   ``q`` in [0, 15]. numatp's own quantizer is symmetric (no ``z``), as llama.cpp's Q4_0: the group's
@@ -16,8 +24,9 @@ A quantized shard is one flat ``uint8`` tensor (so that it is placed on its sock
 by page and handed around like any operand), in sections aligned to 64 bytes:
 
 =========  ===========================================================================================
-header     16 int64: magic, version, bits (8 or 4), N, K, group (K for int8), has zeros, and the byte
-           offsets of ``q``, the scales and the zeros (0: none)
+header     16 int64: magic, version, bits (8 or 4), N, K, group (K for int8), has zeros, the byte
+           offsets of ``q``, the scales and the zeros (0: none), ``q``'s bytes, the total, and the
+           activations' bits (8: ``int8:a8``, 0: weight-only)
 ``q``      int8: ``(N, K)`` int8, row-major. int4: ``(N, K / 2)`` bytes; per block of 32 values of a
            row, byte ``i`` (0-15) holds value ``i`` in its low nibble and value ``i + 16`` in its high
            nibble (llama.cpp's Q4_0 order: a vector of bytes unpacks into two runs of values with one AND
@@ -38,25 +47,32 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_INT4_GROUP", "GROUPS", "MAGIC", "QuantFormat", "QuantValues", "dequantize",
-           "from_values", "header", "nbytes", "qembedding", "qembedding_op", "quantize", "unpack", "views"]
+__all__ = ["ACT_BLOCK", "DEFAULT_INT4_GROUP", "GROUPS", "MAGIC", "QuantFormat", "QuantValues", "dequantize",
+           "from_values", "header", "nbytes", "qembedding", "qembedding_op", "quantize", "quantize_activations",
+           "unpack", "views"]
 
 MAGIC = 0x5150544E   # "NTPQ"
 VERSION = 1
 GROUPS = (32, 64, 128)
 DEFAULT_INT4_GROUP = 64
+ACT_BLOCK = 32   # int8:a8: the activations' values per scale, along the input dimension
 _HEADER = 128
 _ALIGN = 64
 
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """How a weight is stored: ``bits`` 8 (per output channel) or 4 (groups of ``group`` along K)."""
+    """How a weight is stored: ``bits`` 8 (per output channel) or 4 (groups of ``group`` along K); ``act``
+    8 where the activations are quantized too (``int8:a8``), None for weight-only."""
 
     bits: int
     group: int | None = None
+    act: int | None = None
 
     def __post_init__(self) -> None:
+        if self.act is not None and (self.act != 8 or self.bits != 8):
+            raise ValueError(f"int8 activations go with int8 weights ('int8:a8'), not int{self.bits} weights"
+                             if self.act == 8 else f"activations are quantized to 8 bits ('int8:a8'), not {self.act}")
         if self.bits == 8 and self.group is not None:
             raise ValueError(f"int8 weights take one scale per output channel, not groups (group={self.group})")
         if self.bits == 4 and self.group not in GROUPS:
@@ -67,22 +83,29 @@ class QuantFormat:
 
     @classmethod
     def parse(cls, spec: str | QuantFormat) -> QuantFormat:
-        """``"int8"``, ``"int4"`` (groups of :data:`DEFAULT_INT4_GROUP`) or ``"int4:g32"``/``g64``/``g128``."""
+        """``"int8"``, ``"int8:a8"`` (int8 activations too), ``"int4"`` (groups of :data:`DEFAULT_INT4_GROUP`)
+        or ``"int4:g32"``/``g64``/``g128``."""
         if isinstance(spec, QuantFormat):
             return spec
-        m = re.fullmatch(r"\s*int(8|4)(?::g(\d+))?\s*", str(spec).lower())
+        m = re.fullmatch(r"\s*int(8|4)(?::g(\d+))?(?::a(\d+))?\s*", str(spec).lower())
         if m is None:
-            raise ValueError(f"weights={spec!r}: the quantized formats are 'int8' (one scale per output channel) "
-                             f"and 'int4' or 'int4:gG' with G in {GROUPS} (groups along the input dimension; "
-                             f"'int4' is 'int4:g{DEFAULT_INT4_GROUP}'); None keeps the model's dtype")
+            raise ValueError(f"weights={spec!r}: the quantized formats are 'int8' (one scale per output channel), "
+                             f"'int8:a8' (int8 activations too, in blocks of {ACT_BLOCK}) and 'int4' or 'int4:gG' "
+                             f"with G in {GROUPS} (groups along the input dimension; 'int4' is "
+                             f"'int4:g{DEFAULT_INT4_GROUP}'); None keeps the model's dtype")
         bits = int(m[1])
         if bits == 8 and m[2]:
             raise ValueError(f"weights={spec!r}: int8 takes one scale per output channel, no group; use 'int8'")
-        return cls(bits, int(m[2]) if m[2] else (DEFAULT_INT4_GROUP if bits == 4 else None))
+        if m[3] and (bits != 8 or m[3] != "8"):
+            raise ValueError(f"weights={spec!r}: numatp quantizes activations to int8 with int8 weights only; "
+                             f"use 'int8:a8', or {'int4:g' + str(m[2] or DEFAULT_INT4_GROUP) if bits == 4 else 'int8'} "
+                             f"for weight-only")
+        return cls(bits, int(m[2]) if m[2] else (DEFAULT_INT4_GROUP if bits == 4 else None),
+                   8 if m[3] else None)
 
     @property
     def name(self) -> str:
-        return "int8" if self.bits == 8 else f"int4:g{self.group}"
+        return ("int8:a8" if self.act else "int8") if self.bits == 8 else f"int4:g{self.group}"
 
     def __str__(self) -> str:
         return self.name
@@ -92,12 +115,27 @@ class QuantFormat:
         return 1 if self.bits == 8 else k // int(self.group or 1)
 
     def fits(self, k: int) -> bool:
-        """Whether a shard of input size ``k`` divides into whole groups (int8: any)."""
+        """Whether a shard of input size ``k`` divides into whole groups (int8: any; int8:a8: blocks of
+        :data:`ACT_BLOCK`)."""
+        if self.act:
+            return k % ACT_BLOCK == 0
         return self.bits == 8 or k % int(self.group or 1) == 0
 
     def fitting_groups(self, k: int) -> list[int]:
         """The group sizes that divide ``k`` (for an error that says which would fit)."""
         return [g for g in GROUPS if k % g == 0]
+
+    def misfit(self, k: int) -> str | None:
+        """Why a shard of input size ``k`` cannot take this format and what would (None where it can)."""
+        if self.fits(k):
+            return None
+        if self.act:
+            return (f"not a multiple of the activations' blocks of {ACT_BLOCK} ({self}); use 'int8' "
+                    f"(weight-only) for this model")
+        fit = self.fitting_groups(k)
+        return (f"not a multiple of the int4 group {self.group}; "
+                + (f"groups that fit: {', '.join(f'int4:g{g}' for g in fit)}" if fit
+                   else "no int4 group (32, 64, 128) divides it: use 'int8'"))
 
 
 @dataclass
@@ -142,11 +180,9 @@ def nbytes(n: int, k: int, fmt: QuantFormat | str, zeros: bool = False) -> int:
 
 
 def _check_shape(n: int, k: int, fmt: QuantFormat, what: str = "the weight") -> None:
-    if not fmt.fits(k):
-        fit = fmt.fitting_groups(k)
-        raise ValueError(f"{what} has an input size of {k}, not a multiple of the int4 group {fmt.group}; "
-                         + (f"groups that fit: {', '.join(f'int4:g{g}' for g in fit)}" if fit else
-                            "no int4 group fits it (32, 64 and 128 do not divide it); use 'int8'"))
+    why = fmt.misfit(k)
+    if why:
+        raise ValueError(f"{what} has an input size of {k}, {why}")
 
 
 def _pack4(q: torch.Tensor) -> torch.Tensor:
@@ -180,8 +216,10 @@ def from_values(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | Non
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() != total or not buf.is_contiguous():
         raise ValueError(f"the buffer for a {n} x {k} {fmt} weight is a contiguous uint8 tensor of {total} bytes, "
                          f"got {buf.dtype} {tuple(buf.shape)}")
+    if fmt.act and zeros is not None:
+        raise ValueError(f"{fmt} weights have no zero points (int8 activations need a symmetric weight)")
     head = torch.tensor([MAGIC, VERSION, fmt.bits, n, k, fmt.group or k, int(zeros is not None),
-                         q_off, s_off, z_off, q_bytes, total, 0, 0, 0, 0], dtype=torch.int64)
+                         q_off, s_off, z_off, q_bytes, total, fmt.act or 0, 0, 0, 0], dtype=torch.int64)
     buf[:_HEADER].view(torch.int64).copy_(head)
     qdata = q.to(torch.int8) if fmt.bits == 8 else _pack4(q)
     buf[q_off:q_off + q_bytes].view(qdata.dtype).view(qdata.shape).copy_(qdata)
@@ -198,13 +236,14 @@ def header(buf: torch.Tensor) -> dict[str, int]:
     h = buf[:_HEADER].view(torch.int64).tolist()
     if h[0] != MAGIC or h[1] != VERSION:
         raise ValueError("not a numatp quantized weight (bad magic or version)")
-    keys = ("magic", "version", "bits", "n", "k", "group", "zeros", "q_off", "s_off", "z_off", "q_bytes", "total")
+    keys = ("magic", "version", "bits", "n", "k", "group", "zeros", "q_off", "s_off", "z_off", "q_bytes", "total",
+            "act")
     return dict(zip(keys, h))
 
 
 def format_of(buf: torch.Tensor) -> QuantFormat:
     h = header(buf)
-    return QuantFormat(8) if h["bits"] == 8 else QuantFormat(4, h["group"])
+    return QuantFormat(8, act=h["act"] or None) if h["bits"] == 8 else QuantFormat(4, h["group"])
 
 
 def views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -257,6 +296,22 @@ def quantize(w_nk: torch.Tensor, fmt: QuantFormat | str, out: torch.Tensor | Non
     ``out`` where given, see :func:`from_values`)."""
     v = quantize_values(w_nk, fmt)
     return from_values(v.q, v.scales, v.zeros, v.fmt, out=out)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``(..., K)``, K a multiple of :data:`ACT_BLOCK`) as ``int8:a8``'s kernels read it, in float32:
+    each block of 32 along the last dimension quantized (``d = max |x| / 127``, ``qx = round(x / d)``, ties
+    to even, in [-127, 127]; ``d = 0``: 0) and multiplied back, ``qx * d``. The reference of every ``int8:a8``
+    provider (the decode kernel sums ``qx q`` as integers and scales them by ``d`` in float32: the same
+    values up to float32 rounding)."""
+    k = x.shape[-1]
+    if k % ACT_BLOCK:
+        raise ValueError(f"int8 activations are quantized in blocks of {ACT_BLOCK}; an input of {k} features is "
+                         f"not a multiple of {ACT_BLOCK}")
+    xb = x.detach().to(torch.float32).reshape(*x.shape[:-1], k // ACT_BLOCK, ACT_BLOCK)
+    d = xb.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.where(d > 0, torch.round(xb / torch.where(d > 0, d, 1.0)).clamp(-127, 127), 0.0)
+    return (q * d).reshape(x.shape)
 
 
 def qembedding(buf: torch.Tensor, ids: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
