@@ -1,4 +1,4 @@
-"""Quantized weights, side by side: numatp's bf16, int8 and int4 weights (and fp32, with ``--fp32``) against
+"""Quantized weights, side by side: numatp's bf16, int8 and int4 weights (and int8:a8 and fp32, as modes) against
 each other and against llama.cpp's bf16, Q8_0 and Q4_0 (and f32) on the same model shapes and threads.
 
 One child process per model; inside it numatp compiles every mode once (2 virtual sockets by default:
@@ -29,8 +29,10 @@ from pathlib import Path
 
 from _children import run_children
 
-GGUF = {"bf16": "bf16", "int8": "Q8_0", "int4": "Q4_0", "fp32": "f32"}
-"""numatp's mode -> the llama.cpp format it is compared with (the same bytes per weight, near enough)."""
+GGUF = {"bf16": "bf16", "int8": "Q8_0", "int8:a8": "Q8_0", "int4": "Q4_0", "fp32": "f32"}
+"""numatp's mode -> the llama.cpp format it is compared with (the same bytes per weight, near enough;
+``int8:a8`` quantizes its activations in blocks of 32 as Q8_0's dot products do). A format two modes share
+runs once a round."""
 
 
 def _llama_bench(binary: str, gguf: Path, threads: int, args: list[str], notes: set[str]) -> float | None:
@@ -73,7 +75,7 @@ def child(model_name: str, modes: list[str], prompt: int, new_tokens: int, prefi
     for mode in modes:
         print(f"  compiling numatp {mode}", file=sys.stderr, flush=True)
         model = models["fp32" if mode == "fp32" else "bf16"]
-        weights = mode if mode in ("int8", "int4") else None
+        weights = mode if mode in ("int8", "int8:a8", "int4") else None
         t0 = time.perf_counter()
         c = numatp.compile(model, sockets=topo, weights=weights)
         generate_timed(c, ids, max_new_tokens=new_tokens, **kw)
@@ -86,6 +88,8 @@ def child(model_name: str, modes: list[str], prompt: int, new_tokens: int, prefi
     if llama_bench and gguf_dir:
         for mode in modes:
             f = Path(gguf_dir) / f"{model_name}-{GGUF[mode]}.gguf"
+            if any(GGUF[m] == GGUF[mode] for m in ggufs):
+                continue   # run once, reported for both modes
             if f.is_file():
                 ggufs[mode] = f
             else:
@@ -119,6 +123,11 @@ def child(model_name: str, modes: list[str], prompt: int, new_tokens: int, prefi
                 pp = _llama_bench(llama_bench, f, threads, ["-p", str(p), "-n", "0"], notes)
                 if pp is not None:
                     lc_pre[f"{mode}@{p}"].append(pp)
+    for mode in modes:   # a format run for an earlier mode
+        first = next((m for m in ggufs if GGUF[m] == GGUF[mode]), None)
+        if first is not None and first != mode:
+            lc_decode[mode] = lc_decode[first]
+            lc_pre.update({f"{mode}@{p}": lc_pre[f"{first}@{p}"] for p in [prompt, *prefills]})
     med = statistics.median
     return {"model": model_name, "threads": threads, "sockets": sockets, "prompt": prompt, "new_tokens": new_tokens,
             "rounds": rounds, "weight_bytes_per_socket": bytes_per_socket, "compile_s": compile_s,
@@ -134,7 +143,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["gpt2-medium", "qwen2.5-0.5b"], help="zoo presets (decoders)")
     p.add_argument("--modes", nargs="+", default=["bf16", "int8", "int4"], choices=list(GGUF),
-                   help="numatp's weights: bf16 (plain), int8, int4 (bf16 activations), fp32 (plain fp32 model)")
+                   help="numatp's weights: bf16 (plain), int8, int4 (bf16 activations), int8:a8 (int8 activations "
+                        "too), fp32 (plain fp32 model)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens before decoding (default 128)")
     p.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
     p.add_argument("--prefill", type=int, nargs="*", default=[512],

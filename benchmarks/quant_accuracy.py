@@ -1,5 +1,5 @@
-"""How much numatp's quantized weights change a model's output: per preset, int8 and int4 weights, float32
-and bfloat16 activations, against the unquantized float32 model.
+"""How much numatp's quantized weights change a model's output: per preset, int8 and int4 weights (and int8
+with int8 activations, ``int8:a8``), float32 and bfloat16 activations, against the unquantized float32 model.
 
 numatp quantizes each socket's shard of every weight matmul (and, in int8, the LM head and the embedding
 tables: ``keep_head=False``); on one socket a shard is the whole weight, so the model numatp runs there
@@ -84,6 +84,12 @@ def _quantized_copy(model, weights: str, dtype, keep_head: bool = False):
         for p in q.parameters():
             if id(p) in done:
                 p.copy_(done[id(p)])
+    if weights == "int8:a8":   # every weight matmul's input quantized as numatp's kernels read it
+        def hook(module, args):
+            return (quant.quantize_activations(args[0]).to(args[0].dtype), *args[1:])
+        for m in q.modules():
+            if isinstance(m, (torch.nn.Linear, Conv1D)):
+                m.register_forward_pre_hook(hook)
     return q.to(dtype)
 
 
@@ -107,7 +113,7 @@ def measure(name: str, prompt: int, new_tokens: int, prompts: int) -> list[dict]
         ref = base(seq).logits.float()
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
-        for weights in ("none", "int8", "int8 keep_head", "int4:g64", "int4:g32", "q8_0"):
+        for weights in ("none", "int8", "int8:a8", "int8 keep_head", "int4:g64", "int4:g32", "q8_0"):
             fmt, _, keep = weights.partition(" ")
             model = copy.deepcopy(base).to(dtype) if fmt == "none" else \
                 _quantized_copy(base, fmt, dtype, keep_head=bool(keep))

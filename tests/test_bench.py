@@ -402,7 +402,7 @@ def test_weights_are_part_of_a_configurations_identity() -> None:
     with pytest.raises(ValueError, match=r"weights='int8' with mode 'baseline': numatp quantizes the weights of its "
                                          r"own modes"):
         Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="baseline", sockets=2, weights="int8")
-    with pytest.raises(ValueError, match=r"weights 'int3' is not one of int8, int4, int4:g32"):
+    with pytest.raises(ValueError, match=r"weights 'int3' is not one of int8, int8:a8, int4, int4:g32"):
         Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="numatp", sockets=2, weights="int3")
     with pytest.raises(ValueError, match="keep_head=True without weights"):
         Config(model="gpt2", batch=1, seq=16, dtype="float32", mode="numatp", sockets=2, keep_head=True)

@@ -36,7 +36,7 @@ MODES: tuple[str, ...] = ("baseline", *NUMATP_MODES, *PROCESS_POLICY_MODES)
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
-WEIGHTS: tuple[str, ...] = ("int8", "int4", "int4:g32", "int4:g64", "int4:g128")
+WEIGHTS: tuple[str, ...] = ("int8", "int8:a8", "int4", "int4:g32", "int4:g64", "int4:g128")
 """The quantized weight formats ``numatp.compile(weights=...)`` takes (:mod:`numatp.runtime.gemm.quant`),
 spelled here without importing torch, for the command line's checks and the sweep's keys."""
 
