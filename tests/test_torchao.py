@@ -168,6 +168,8 @@ def test_unsupported_configs_are_refused_by_name():
         message = str(e.value)
         for part in ("0.weight", what, "Int8WeightOnlyConfig", "PrototypeInt4WeightOnlyConfig", "IntxWeightOnlyConfig"):
             assert part in message, (part, message)
+        if what.startswith("Int8DynamicActivation"):   # numatp's own int8 activations are named as the way out
+            assert "weights='int8:a8'" in message, message
         assert type(model[0].weight).__module__.startswith("torchao")   # refused before anything changed
 
     # asymmetric int8 (zero points): made directly, no config quantizes weights that way

@@ -159,7 +159,9 @@ def _read(name: str, tensor: torch.Tensor, layouts: dict[int, str]) -> TorchaoWe
 
 def _read_int8(name: str, t: Any) -> TorchaoWeight:
     if getattr(t, "act_quant_kwargs", None) is not None:
-        raise _refuse(name, t, "int8 dynamic activation quantization, e.g. Int8DynamicActivationInt8WeightConfig")
+        raise _refuse(name, t, "int8 dynamic activation quantization, e.g. Int8DynamicActivationInt8WeightConfig, "
+                               "one scale per token; numatp's own weights='int8:a8' on the unquantized model "
+                               "quantizes activations in blocks of 32")
     for extra in ("act_pre_scale", "act_quant_scale", "act_quant_zero_point"):
         if getattr(t, extra, None) is not None:
             raise _refuse(name, t, f"carries {extra}: activations are scaled or quantized, not only the weight")
