@@ -260,19 +260,22 @@ def test_fallback_paths(tmp_path, isa):
             lib.numatp_qdequant(*sections, h["bits"], n, k, h["group"], 3, n, wd.data_ptr(),
                                 int(dtype == torch.bfloat16))
             assert torch.equal(wd, quant.dequantize(buf)[3:].to(dtype)), f"{isa} dequantize {fmt} {dtype}"
-    # int8:a8 (AVX2: vpmaddubsw on |q| and qx with q's sign; scalar: int32 sums)
-    for k in (32, 96, 1056):
-        n = 24
-        buf = quant.quantize(torch.randn(n, k, generator=gen), "int8:a8")
-        h = quant.header(buf)
-        base = buf.data_ptr()
-        for dtype in (torch.float32, torch.bfloat16):
-            for m in (1, 3, 4, 7):
-                x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k // 32).repeat_interleave(32)).to(dtype)
-                y = torch.empty(m, n, dtype=dtype)
-                lib.numatp_qgemv(base + h["q_off"], base + h["s_off"], None, 8, n, k, k, x.data_ptr(),
-                                 int(dtype == torch.bfloat16), None, y.data_ptr(), m, 0, 1)
-                _check_a8(y, x, buf, None, f"{isa} qgemv int8:a8 {dtype} k={k} m={m}")
+    # int8 activations (AVX2: vpmaddubsw on |q| and qx with q's sign, on int4's nibbles and qx; scalar: int32
+    # sums)
+    for fmt, ks in (("int8:a8", (32, 96, 1056)), ("int4:g32:a8", (32, 96, 1056)), ("int4:g128:a8", (128, 384))):
+        for k in ks:
+            n = 24
+            buf = quant.quantize(torch.randn(n, k, generator=gen), fmt)
+            h = quant.header(buf)
+            base = buf.data_ptr()
+            for dtype in (torch.float32, torch.bfloat16):
+                for m in (1, 3, 4, 7):
+                    x = (torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k // 32).repeat_interleave(32))
+                    x = x.to(dtype)
+                    y = torch.empty(m, n, dtype=dtype)
+                    lib.numatp_qgemv(base + h["q_off"], base + h["s_off"], None, h["bits"], n, k, h["group"],
+                                     x.data_ptr(), int(dtype == torch.bfloat16), None, y.data_ptr(), m, 0, 1)
+                    _check_a8(y, x, buf, None, f"{isa} qgemv {fmt} {dtype} k={k} m={m}")
 
 
 @pytest.mark.integration
@@ -292,6 +295,11 @@ def test_q8dot_is_measured_where_the_cpu_has_it_and_refuses_zero_points():
 
 
 # ---- int8:a8: int8 weights, activations quantized in blocks of 32 ----
+
+def _values(buf: torch.Tensor) -> tuple:
+    v = quant.unpack(buf)
+    return v.q, v.scales, v.zeros
+
 
 def _check_a8(y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor, bias: torch.Tensor | None, what: str,
               *, rounded: bool = False) -> None:
@@ -340,26 +348,37 @@ def test_a8_format_and_its_errors():
     w = torch.randn(4, 64)
     a8, w8 = quant.unpack(quant.quantize(w, "int8:a8")), quant.unpack(quant.quantize(w, "int8"))
     assert torch.equal(a8.q, w8.q) and torch.equal(a8.scales, w8.scales)   # the weight is int8's
-    with pytest.raises(ValueError, match="with int8 weights only; use 'int8:a8', or int4:g64"):
-        QuantFormat.parse("int4:g64:a8")
-    with pytest.raises(ValueError, match="with int8 weights only"):
+    f4 = QuantFormat.parse("int4:a8")
+    assert (f4.bits, f4.group, f4.act, f4.name) == (4, 64, 8, "int4:g64:a8")
+    assert quant.format_of(quant.quantize(torch.randn(4, 128), "int4:g128:a8")) == QuantFormat(4, 128, 8)
+    with pytest.raises(ValueError, match="activations to int8 \\(':a8'\\), not to 4 bits"):
         QuantFormat.parse("int8:a4")
+    with pytest.raises(ValueError, match="not 48"):
+        QuantFormat.parse("int4:g48:a8")
     with pytest.raises(ValueError, match="input size of 48, not a multiple of the activations' blocks of 32"):
         quant.quantize(torch.randn(4, 48), "int8:a8")
     with pytest.raises(ValueError, match="no zero points"):
         quant.from_values(torch.zeros(2, 32), torch.ones(2, 1), torch.zeros(2, 1), "int8:a8")
 
 
+A8_CASES = [(p, "int8:a8") for p in ("qgemv", "qtile", "q8_aten", "q_dequant")] + \
+    [(p, f) for p in ("qgemv", "qtile", "q_dequant") for f in ("int4:g32:a8", "int4:g64:a8", "int4:g128:a8")]
+# K per format: one block; K % 64 == 32 and K % 128 == 32 or 96 (int8's masked tails, int4's odd last block)
+A8_K = {"int8:a8": (32, 96, 160, 1056), "int4:g32:a8": (32, 96, 160, 1056), "int4:g64:a8": (64, 192, 1088),
+        "int4:g128:a8": (128, 384, 1152)}
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("provider", ["qgemv", "qtile", "q8_aten", "q_dequant"])
+@pytest.mark.parametrize("provider,fmt", A8_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a8_kernels_equal_the_activation_quantized_reference(provider, dtype):
+def test_a8_kernels_equal_the_activation_quantized_reference(provider, fmt, dtype):
     load_ops()
     gen = torch.Generator().manual_seed(5)
     p = PROVIDERS[provider]
-    for k in (32, 96, 160, 1056):   # one block; K % 64 == 32 and K % 128 == 32 or 96 (the masked tails)
+    weight_only = fmt.removesuffix(":a8")
+    for k in A8_K[fmt]:
         for n in (9, 72):
-            buf = quant.quantize(torch.randn(n, k, generator=gen), "int8:a8")
+            buf = quant.quantize(torch.randn(n, k, generator=gen), fmt)
             for m in (1, 2, 3, 4, 5, 16, 40):
                 if p.max_rows is not None and m > p.max_rows:
                     continue
@@ -370,10 +389,10 @@ def test_a8_kernels_equal_the_activation_quantized_reference(provider, dtype):
                 x = x.to(dtype)
                 for bias in (None, torch.randn(n, generator=gen).to(dtype)):
                     y = p.call(x, buf, bias, n, k)
-                    _check_a8(y, x, buf, bias, f"{provider} int8:a8 {dtype} k={k} m={m} n={n}",
+                    _check_a8(y, x, buf, bias, f"{provider} {fmt} {dtype} k={k} m={m} n={n}",
                               rounded=provider != "qgemv")
                     if provider == "qgemv" and m == 1 and bias is None:   # not the weight-only product
-                        plain = p.call(x, quant.quantize(quant.dequantize(buf), "int8"), None, n, k)
+                        plain = p.call(x, quant.from_values(*_values(buf), weight_only), None, n, k)
                         assert not torch.equal(y, plain)
 
 

@@ -421,9 +421,10 @@ QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
               " bits");
   TORCH_CHECK(b.group > 0 && b.k % b.group == 0 && (b.bits == 8 ? b.group == b.k : b.group % 32 == 0), who,
               ": a ", b.bits, "-bit weight of K = ", b.k, " cannot have groups of ", b.group);
-  TORCH_CHECK(b.act == 0 || (b.act == 8 && b.bits == 8 && !b.zeros && b.k % 32 == 0), who,
-              ": int8 activations (int8:a8) go with int8 weights without zeros and K a multiple of 32; the header "
-              "says activations ", b.act, ", ", b.bits, "-bit weights", b.zeros ? " with zeros" : "", ", K = ", b.k);
+  TORCH_CHECK(b.act == 0 || (b.act == 8 && !b.zeros && b.k % 32 == 0), who,
+              ": int8 activations (int8:a8, int4:gG:a8) go with weights without zeros and K a multiple of 32; the "
+              "header says activations ", b.act, ", ", b.bits, "-bit weights", b.zeros ? " with zeros" : "", ", K = ",
+              b.k);
   const int64_t q_bytes = b.bits == 8 ? b.n * b.k : b.n * b.k / 2, s_bytes = b.n * b.groups() * 4;
   TORCH_CHECK(b.total == w.numel() && b.q_bytes == q_bytes && b.q_off >= kQuantHeader &&
                   b.q_off + q_bytes <= b.total && b.s_off % 4 == 0 && b.s_off + s_bytes <= b.total &&

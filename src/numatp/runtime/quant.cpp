@@ -392,6 +392,11 @@ struct Act8 {
   std::vector<std::int8_t> q;   // (M, K)
   std::vector<float> d;         // (M, K / 32)
   std::vector<float> c;         // (M): -128 sum_b d_b sum_{k in b} qx[k]
+  // int4 weights (i4_a8): qx per pair of blocks, values 0-15 of each then 16-31 of each, rows of Kq (K
+  // rounded up to 64, zeros past K); each block's d four times (rows of Kq / 8); and per group g of the
+  // weight T_g = sum_{b in g} d_b sum_{k in b} qx[k] (rows of K / group)
+  std::vector<std::int8_t> q4;
+  std::vector<float> d4, t;
 };
 
 // the block's scale and its values quantized; fp32 x
@@ -442,11 +447,17 @@ inline float quantize_block_v(const float* x, std::int8_t* q, int& sum) {
 }
 #endif
 
-void quantize_rows(const float* x, std::int64_t m, std::int64_t k, Act8& a) {
-  const std::int64_t blocks = k / 32;
+// group: the int4 weight's (0: an int8 weight, no int4 forms)
+void quantize_rows(const float* x, std::int64_t m, std::int64_t k, std::int64_t group, Act8& a) {
+  const std::int64_t blocks = k / 32, kq = (k + 63) / 64 * 64;
   a.q.resize(static_cast<std::size_t>(m * k));
   a.d.resize(static_cast<std::size_t>(m * blocks));
   a.c.assign(static_cast<std::size_t>(m), 0.f);
+  if (group) {
+    a.q4.assign(static_cast<std::size_t>(m * kq), 0);
+    a.d4.assign(static_cast<std::size_t>(m * kq / 8), 0.f);
+    a.t.assign(static_cast<std::size_t>(m * (k / group)), 0.f);
+  }
   for (std::int64_t r = 0; r < m; ++r)
     for (std::int64_t b = 0; b < blocks; ++b) {
       std::int8_t* q = a.q.data() + r * k + 32 * b;
@@ -459,6 +470,13 @@ void quantize_rows(const float* x, std::int64_t m, std::int64_t k, Act8& a) {
 #endif
       a.d[r * blocks + b] = d;
       a.c[r] += -128.f * float(sum) * d;
+      if (group) {
+        std::int8_t* pair = a.q4.data() + r * kq + 64 * (b / 2) + 16 * (b % 2);
+        std::memcpy(pair, q, 16);
+        std::memcpy(pair + 32, q + 16, 16);
+        for (int l = 0; l < 4; ++l) a.d4[r * (kq / 8) + 4 * b + l] = d;
+        a.t[r * (k / group) + 32 * b / group] += d * float(sum);
+      }
     }
 }
 
@@ -538,6 +556,88 @@ void i8_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (
   }
 }
 
+// int4 weights against int8 activations (int4:gG:a8), AVX2's vpmaddubsw: the nibbles (0..15, unsigned) by
+// qx (signed), each block's sum of q qx exact in int32, minus 8 x the block's sum of qx (folded into one
+// constant per channel: -8 sum_g s[n, g] sum_{b in g} d_b S_b), scaled by d_b s[n, g] in fp32. Two blocks
+// (32 bytes) a step: the low nibbles of both blocks in one vector, the high in another, and x reordered
+// once per call to match (Act8::q4: per pair of blocks, values 0-15 of each, then 16-31 of each).
+template <int MR, int NR>
+void i4_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (*res)[NR]) {
+  const std::int64_t k = w.k, blocks = k / 32, row = k / 2, per_group = w.group / 32, kq = (k + 63) / 64 * 64;
+  const std::int8_t* qx = a.q4.data() + r0 * kq;
+  const float* d4 = a.d4.data() + r0 * (kq / 8);
+  const float* tg = a.t.data() + r0 * w.groups;
+  for (int j = 0; j < NR; ++j) {
+    const std::int64_t n = n0 + j;
+    const std::uint8_t* q = w.q + n * row;
+    const float* s = w.s + n * w.groups;
+    float sum[MR];
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    std::int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      const std::uint8_t* p = q + 16 * b;
+      if (b % 8 == 0) ahead(p + kAheadBytes);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      const __m256 sv = _mm256_set_m128(_mm_set1_ps(s[(b + 1) / per_group]), _mm_set1_ps(s[b / per_group]));
+      const int h = static_cast<int>((b / 2) & 1);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const std::int8_t* xr = qx + r * kq + 32 * b;
+        const __m256i p16 = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32))));
+        const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc[r][h] = _mm256_fmadd_ps(t, _mm256_mul_ps(_mm256_loadu_ps(d4 + r * (kq / 8) + 4 * b), sv), acc[r][h]);
+      }
+    }
+    if (b < blocks) {   // an odd last block: its 16 bytes, the high half of the vectors zero
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
+      const __m128i l4 = _mm_set1_epi8(0x0F);
+      const __m256i lo = _mm256_zextsi128_si256(_mm_and_si128(v, l4));
+      const __m256i hi = _mm256_zextsi128_si256(_mm_and_si128(_mm_srli_epi16(v, 4), l4));
+      const __m256 sv = _mm256_set1_ps(s[b / per_group]);
+      for (int r = 0; r < MR; ++r) {
+        const std::int8_t* xr = qx + r * kq + 32 * b;
+        const __m256i p16 = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
+            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32))));
+        const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc[r][0] = _mm256_fmadd_ps(t, _mm256_mul_ps(_mm256_loadu_ps(d4 + r * (kq / 8) + 4 * b), sv), acc[r][0]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      sum[r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+    }
+#else
+    for (int r = 0; r < MR; ++r) {
+      float t = 0.f;
+      for (std::int64_t b = 0; b < blocks; ++b) {
+        std::int32_t dot = 0;
+        for (int i = 0; i < 16; ++i) {
+          const std::uint8_t byte = q[16 * b + i];
+          dot += std::int32_t(byte & 0x0F) * a.q[(r0 + r) * k + 32 * b + i] +
+                 std::int32_t(byte >> 4) * a.q[(r0 + r) * k + 32 * b + 16 + i];
+        }
+        t += float(dot) * a.d[(r0 + r) * blocks + b] * s[b / per_group];
+      }
+      sum[r] = t;
+    }
+#endif
+    for (int r = 0; r < MR; ++r) {
+      float c = 0.f;   // -8 sum_g s[n, g] T_g
+      for (std::int64_t g = 0; g < w.groups; ++g) c += s[g] * tg[r * w.groups + g];
+      res[r][j] = sum[r] - 8.f * c;
+    }
+  }
+}
+
 // What one call reads: x in the form its path takes, the group sums of x where the weight has zeros.
 struct Call {
   const QW& w;
@@ -559,7 +659,10 @@ template <int MR, int NR>
 void block_sums(const Call& c, std::int64_t r0, std::int64_t n0, float (*res)[NR]) {
   const QW& w = c.w;
   if constexpr (MR <= 4) {
-    if (c.a8) return i8_a8<MR, NR>(w, *c.a8, r0, n0, res);   // int8 weights and activations
+    if (c.a8) {   // int8 activations: integer products
+      if (w.bits == 8) return i8_a8<MR, NR>(w, *c.a8, r0, n0, res);
+      return i4_a8<MR, NR>(w, *c.a8, r0, n0, res);
+    }
   }
 #if defined(__AVX512BF16__)
   if (c.x8) return i8_bf16<MR, NR>(w, c.x8 + r0 * w.k, n0, res);   // int8, bf16 x, through dpbf16
@@ -609,7 +712,7 @@ void qgemv(const QW& w, const void* x, int x_bf16, const void* bias, void* y, st
            int act8) {
   Call c{w, m, x_bf16 != 0, x, nullptr, nullptr, nullptr, nullptr, {}};
   thread_local Act8 a8;   // the calling thread's, kept: no allocation per call
-  if (act8) {   // the caller checks: int8 weights without zeros, K a multiple of 32
+  if (act8) {   // the caller checks: weights without zeros, K a multiple of 32
     const float* xf = static_cast<const float*>(x);
     thread_local std::vector<float> widened;
     if (c.bf16) {
@@ -617,7 +720,7 @@ void qgemv(const QW& w, const void* x, int x_bf16, const void* bias, void* y, st
       for (std::int64_t i = 0; i < m * w.k; ++i) widened[i] = bf16_to_float(static_cast<const u16*>(x)[i]);
       xf = widened.data();
     }
-    quantize_rows(xf, m, w.k, a8);
+    quantize_rows(xf, m, w.k, w.bits == 4 ? w.group : 0, a8);
     c.a8 = &a8;
     int8_dot = 0;
   }

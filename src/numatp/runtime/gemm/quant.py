@@ -7,7 +7,8 @@ but for ``int8:a8``):
 
 - ``int8``: symmetric, one scale per output channel: ``w[n, k] = q[n, k] * s[n]``; numatp's quantizer
   takes ``s = max_k |w[n, k]| / 127`` and ``q`` in [-127, 127] (values made elsewhere may hold -128).
-- ``int8:a8``: int8 weights as ``int8``, and the activations quantized too, as each matmul reads them:
+- ``int8:a8`` (and ``int4:gG:a8``): the weights as ``int8`` (``int4:gG``), and the activations quantized
+  too, as each matmul reads them:
   every row of x in blocks of 32 along the input dimension, ``d = max |x| / 127`` and ``qx = round(x / d)``
   (to nearest, ties to even; :func:`quantize_activations`), so that a decode step's products are integer
   dot products (one VNNI instruction per 64 weight bytes), each block's sum scaled by its ``d`` in
@@ -70,9 +71,8 @@ class QuantFormat:
     act: int | None = None
 
     def __post_init__(self) -> None:
-        if self.act is not None and (self.act != 8 or self.bits != 8):
-            raise ValueError(f"int8 activations go with int8 weights ('int8:a8'), not int{self.bits} weights"
-                             if self.act == 8 else f"activations are quantized to 8 bits ('int8:a8'), not {self.act}")
+        if self.act is not None and self.act != 8:
+            raise ValueError(f"activations are quantized to 8 bits ('int8:a8', 'int4:gG:a8'), not {self.act}")
         if self.bits == 8 and self.group is not None:
             raise ValueError(f"int8 weights take one scale per output channel, not groups (group={self.group})")
         if self.bits == 4 and self.group not in GROUPS:
@@ -83,29 +83,27 @@ class QuantFormat:
 
     @classmethod
     def parse(cls, spec: str | QuantFormat) -> QuantFormat:
-        """``"int8"``, ``"int8:a8"`` (int8 activations too), ``"int4"`` (groups of :data:`DEFAULT_INT4_GROUP`)
-        or ``"int4:g32"``/``g64``/``g128``."""
+        """``"int8"``, ``"int4"`` (groups of :data:`DEFAULT_INT4_GROUP`) or ``"int4:g32"``/``g64``/``g128``;
+        ``":a8"`` after any of them quantizes the activations too (``"int8:a8"``, ``"int4:a8"``)."""
         if isinstance(spec, QuantFormat):
             return spec
         m = re.fullmatch(r"\s*int(8|4)(?::g(\d+))?(?::a(\d+))?\s*", str(spec).lower())
         if m is None:
-            raise ValueError(f"weights={spec!r}: the quantized formats are 'int8' (one scale per output channel), "
-                             f"'int8:a8' (int8 activations too, in blocks of {ACT_BLOCK}) and 'int4' or 'int4:gG' "
-                             f"with G in {GROUPS} (groups along the input dimension; 'int4' is "
-                             f"'int4:g{DEFAULT_INT4_GROUP}'); None keeps the model's dtype")
+            raise ValueError(f"weights={spec!r}: the quantized formats are 'int8' (one scale per output channel) "
+                             f"and 'int4' or 'int4:gG' with G in {GROUPS} (groups along the input dimension; 'int4' "
+                             f"is 'int4:g{DEFAULT_INT4_GROUP}'), each with ':a8' for int8 activations too (blocks of "
+                             f"{ACT_BLOCK}: 'int8:a8', 'int4:a8'); None keeps the model's dtype")
         bits = int(m[1])
         if bits == 8 and m[2]:
             raise ValueError(f"weights={spec!r}: int8 takes one scale per output channel, no group; use 'int8'")
-        if m[3] and (bits != 8 or m[3] != "8"):
-            raise ValueError(f"weights={spec!r}: numatp quantizes activations to int8 with int8 weights only; "
-                             f"use 'int8:a8', or {'int4:g' + str(m[2] or DEFAULT_INT4_GROUP) if bits == 4 else 'int8'} "
-                             f"for weight-only")
+        if m[3] and m[3] != "8":
+            raise ValueError(f"weights={spec!r}: numatp quantizes activations to int8 (':a8'), not to {m[3]} bits")
         return cls(bits, int(m[2]) if m[2] else (DEFAULT_INT4_GROUP if bits == 4 else None),
                    8 if m[3] else None)
 
     @property
     def name(self) -> str:
-        return ("int8:a8" if self.act else "int8") if self.bits == 8 else f"int4:g{self.group}"
+        return ("int8" if self.bits == 8 else f"int4:g{self.group}") + (":a8" if self.act else "")
 
     def __str__(self) -> str:
         return self.name
@@ -117,8 +115,8 @@ class QuantFormat:
     def fits(self, k: int) -> bool:
         """Whether a shard of input size ``k`` divides into whole groups (int8: any; int8:a8: blocks of
         :data:`ACT_BLOCK`)."""
-        if self.act:
-            return k % ACT_BLOCK == 0
+        if self.act and k % ACT_BLOCK:
+            return False
         return self.bits == 8 or k % int(self.group or 1) == 0
 
     def fitting_groups(self, k: int) -> list[int]:
@@ -129,7 +127,7 @@ class QuantFormat:
         """Why a shard of input size ``k`` cannot take this format and what would (None where it can)."""
         if self.fits(k):
             return None
-        if self.act:
+        if self.bits == 8:
             return (f"not a multiple of the activations' blocks of {ACT_BLOCK} ({self}); use 'int8' "
                     f"(weight-only) for this model")
         fit = self.fitting_groups(k)
@@ -243,7 +241,7 @@ def header(buf: torch.Tensor) -> dict[str, int]:
 
 def format_of(buf: torch.Tensor) -> QuantFormat:
     h = header(buf)
-    return QuantFormat(8, act=h["act"] or None) if h["bits"] == 8 else QuantFormat(4, h["group"])
+    return QuantFormat(8, act=h["act"] or None) if h["bits"] == 8 else QuantFormat(4, h["group"], h["act"] or None)
 
 
 def views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
