@@ -29,10 +29,10 @@ from pathlib import Path
 
 from _children import run_children
 
-GGUF = {"bf16": "bf16", "int8": "Q8_0", "int8:a8": "Q8_0", "int4": "Q4_0", "fp32": "f32"}
-"""numatp's mode -> the llama.cpp format it is compared with (the same bytes per weight, near enough;
-``int8:a8`` quantizes its activations in blocks of 32 as Q8_0's dot products do). A format two modes share
-runs once a round."""
+GGUF = {"bf16": "bf16", "int8": "Q8_0", "int8:a8": "Q8_0", "int4": "Q4_0", "int4:a8": "Q4_0", "fp32": "f32"}
+"""numatp's mode -> the llama.cpp format it is compared with (the same bytes per weight, near enough; the
+``:a8`` modes quantize their activations in blocks of 32 as Q8_0's and Q4_0's dot products do). A format two
+modes share runs once a round."""
 
 
 def _llama_bench(binary: str, gguf: Path, threads: int, args: list[str], notes: set[str]) -> float | None:
@@ -75,7 +75,7 @@ def child(model_name: str, modes: list[str], prompt: int, new_tokens: int, prefi
     for mode in modes:
         print(f"  compiling numatp {mode}", file=sys.stderr, flush=True)
         model = models["fp32" if mode == "fp32" else "bf16"]
-        weights = mode if mode in ("int8", "int8:a8", "int4") else None
+        weights = None if mode in ("bf16", "fp32") else mode
         t0 = time.perf_counter()
         c = numatp.compile(model, sockets=topo, weights=weights)
         generate_timed(c, ids, max_new_tokens=new_tokens, **kw)
@@ -143,8 +143,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["gpt2-medium", "qwen2.5-0.5b"], help="zoo presets (decoders)")
     p.add_argument("--modes", nargs="+", default=["bf16", "int8", "int4"], choices=list(GGUF),
-                   help="numatp's weights: bf16 (plain), int8, int4 (bf16 activations), int8:a8 (int8 activations "
-                        "too), fp32 (plain fp32 model)")
+                   help="numatp's weights: bf16 (plain), int8, int4 (bf16 activations), int8:a8, int4:a8 (int8 "
+                        "activations too), fp32 (plain fp32 model)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens before decoding (default 128)")
     p.add_argument("--new-tokens", type=int, default=64, help="generated tokens (default 64)")
     p.add_argument("--prefill", type=int, nargs="*", default=[512],

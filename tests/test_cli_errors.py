@@ -109,7 +109,7 @@ def test_bad_name_or_value_is_one_line_before_anything_is_built(args, expected):
     assert expected in _refused(*args)
 
 
-_FORMATS = "int8, int8:a8, int4, int4:g32, int4:g64, int4:g128"
+_FORMATS = "int8, int8:a8, int4, int4:g32, int4:g64, int4:g128, int4:a8, int4:g32:a8, int4:g64:a8, int4:g128:a8"
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -137,7 +137,7 @@ def test_every_compiling_command_takes_weights_and_keep_head():
     subparsers = next(a for a in build_parser()._actions if a.dest == "command")
     for command in ("demo", "generate", "bench", "explain", "serve"):
         text = " ".join(subparsers.choices[command].format_help().split())
-        assert "--weights {" in text and "int8,int8:a8,int4,int4:g32,int4:g64,int4:g128}" in text, command
+        assert "--weights {" in text and "int8,int8:a8,int4,int4:g32,int4:g64,int4:g128,int4:a8,int4:g32:a8,int4:g64:a8,int4:g128:a8}" in text, command
         assert "--keep-head with --weights: keep the LM head and the embedding tables in the model's dtype" in text
     assert "--weights {none,int8," in " ".join(subparsers.choices["bench"].format_help().split())
 

@@ -62,10 +62,10 @@ def compile(model: torch.nn.Module, *, sockets: None | int | Topology = None, po
     :mod:`numatp.plan.tp_plan`), or ``"hf"`` for the model's
     own tp_plan; ``numatp.plans(compiled)[i].to_tp_plan()`` gives a plan back in the same form. ``check``:
     check the contracts between the pipeline's steps as each graph is built (debugging; see
-    :mod:`numatp.plan.contracts`). ``weights``: quantized weights, "int8" (one scale per output channel),
-    "int8:a8" (int8 weights, and each matmul's activations quantized to int8 in blocks of 32, as llama.cpp's
-    Q8_0 dot products: integer products, not weight-only) or "int4" / "int4:g32" / "int4:g64" / "int4:g128"
-    (groups along the input dimension), each socket
+    :mod:`numatp.plan.contracts`). ``weights``: quantized weights, "int8" (one scale per output channel)
+    or "int4" / "int4:g32" / "int4:g64" / "int4:g128" (groups along the input dimension), each with ":a8"
+    ("int8:a8", "int4:a8") to quantize every matmul's activations to int8 too, in blocks of 32 as
+    llama.cpp's dot products do (integer products, not weight-only), each socket
     quantizing its own shard after sharding; the LM head and the embedding tables are int8 unless
     ``keep_head=True`` keeps them in the model's dtype; None (default) keeps the model's dtype. A model
     quantized by torchao's weight-only configs (``Int8WeightOnlyConfig``, CPU int4

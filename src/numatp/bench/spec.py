@@ -36,7 +36,8 @@ MODES: tuple[str, ...] = ("baseline", *NUMATP_MODES, *PROCESS_POLICY_MODES)
 
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 
-WEIGHTS: tuple[str, ...] = ("int8", "int8:a8", "int4", "int4:g32", "int4:g64", "int4:g128")
+WEIGHTS: tuple[str, ...] = ("int8", "int8:a8", "int4", "int4:g32", "int4:g64", "int4:g128", "int4:a8", "int4:g32:a8",
+                            "int4:g64:a8", "int4:g128:a8")
 """The quantized weight formats ``numatp.compile(weights=...)`` takes (:mod:`numatp.runtime.gemm.quant`),
 spelled here without importing torch, for the command line's checks and the sweep's keys."""
 
@@ -53,7 +54,7 @@ def canonical_weights(weights: str | None) -> str | None:
     if name not in WEIGHTS:
         raise ValueError(f"weights {weights!r} is not one of {', '.join(WEIGHTS)}; pick one of those "
                          "(or none for the model's dtype)")
-    return _INT4_DEFAULT if name == "int4" else name
+    return _INT4_DEFAULT + name.removeprefix("int4") if name in ("int4", "int4:a8") else name
 
 PAPER_MODELS: tuple[str, ...] = ("gpt2", "gpt2-medium", "gpt2-large", "bert-small", "bert-large", "gemma3-270m")
 """The six models of the paper's evaluation (Table III), as zoo presets."""
