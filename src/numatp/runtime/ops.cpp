@@ -391,7 +391,7 @@ constexpr int64_t kQuantHeader = 128;
 
 struct QuantBuf {
   int64_t bits, n, k, group, zeros, q_off, s_off, z_off, q_bytes, total;
-  int64_t act;   // 8: the activations are quantized too (int8:a8), 0: weight-only
+  int64_t act;   // 8: the activations are quantized too (int8:a8, int4:gG:a8), 0: weight-only
   const std::uint8_t* base;
   const std::uint8_t* q() const { return base + q_off; }
   const float* s() const { return reinterpret_cast<const float*>(base + s_off); }
@@ -439,7 +439,7 @@ void check_x(const at::Tensor& x, const char* who) {
               ": activations are float32 or bfloat16 over a quantized weight, got ", x.scalar_type());
 }
 
-// x as an int8:a8 weight's kernels read it: each row's blocks of 32 quantized to int8 and back (qx * d),
+// x as an :a8 weight's kernels read it: each row's blocks of 32 quantized to int8 and back (qx * d),
 // in x's dtype. The prompt's providers (qtile, q8_aten) multiply this, so that a prompt and a decode step
 // quantize their activations alike (qgemv sums the integers themselves, in fp32: for bf16 x the prompt's
 // also rounds qx * d to bf16).
@@ -519,7 +519,7 @@ at::Tensor qtile(at::Tensor x, const at::Tensor& w, const std::optional<at::Tens
   const char* who = "numatp qtile";
   const QuantBuf b = quant_buf(w, n, k, who);
   check_x(x, who);
-  if (b.act) x = act8(x);   // int8:a8: the activations as its kernels read them
+  if (b.act) x = act8(x);   // an :a8 format: the activations as its kernels read them
   const auto bb = bias_as(bias, x, n, who);
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());

@@ -9,7 +9,7 @@
 //                    (the dequantize-per-tile GEMM of ops.cpp, which then calls ATen's GEMM on it).
 //   numatp_qrows     the channels given by ids, dequantized likewise: numatp::qembedding, the lookup of an
 //                    embedding table stored quantized (a tied LM head's, read by its lookup).
-//   numatp_qact8     x quantized in blocks of 32 and multiplied back, as an int8:a8 weight's kernels read it
+//   numatp_qact8     x quantized in blocks of 32 and multiplied back, as an :a8 weight's kernels read it
 //                    (its prompt providers multiply that; numatp_qgemv sums the integers itself).
 //
 // Sums are in fp32: for each output channel and group, t = sum_k x[k] * qv[k] with qv the stored integer
@@ -373,7 +373,7 @@ void i8_bf16(const QW& w, const u16* x, std::int64_t n0, float (*res)[NR]) {
 constexpr bool kBf16Dot = false;
 #endif
 
-// ---- int8 activations (the int8:a8 format): x quantized per row in blocks of 32, integer dot products ----
+// ---- int8 activations (int8:a8, int4:gG:a8): x quantized per row in blocks of 32, integer dot products ----
 //
 // Each row of x, in blocks of 32 along K (K a multiple of 32): d = max |x| / 127 and qx = nearbyint(x / d)
 // (to nearest, ties to even; d = 0: qx = 0), in fp32 (numatp.runtime.gemm.quant.quantize_activations is
@@ -421,7 +421,8 @@ inline float quantize_block(const float* x, std::int8_t* q) {
     t = std::nearbyint(std::min(127.f, std::max(-127.f, t)));
     q[i] = t == t ? static_cast<std::int8_t>(t) : std::int8_t(0);
   }
-  // a block holding a NaN or an infinity: its scale NaN (infinity / 127 * 0 is NaN too), so are the sums
+  // a block holding a NaN: its scale NaN; an infinity: its scale infinite (times a zero sum, NaN): the sums
+  // that read the block are not finite, as x's product would not be
   return nan ? std::numeric_limits<float>::quiet_NaN() : d;
 }
 
@@ -926,7 +927,7 @@ void numatp_qgemv(const std::uint8_t* q, const float* s, const float* z, int bit
   quant_kernels::qgemv(w, x, x_bf16, bias, y, m, int8_dot, act8);
 }
 
-// x (M, K) fp32 (x_bf16 = 0) or bf16 (1), K a multiple of 32, as int8:a8's kernels read it: each block of
+// x (M, K) fp32 (x_bf16 = 0) or bf16 (1), K a multiple of 32, as the :a8 kernels read it: each block of
 // 32 quantized (qx, d) and written back as qx * d (fp32), rounded to bf16 where x is bf16
 void numatp_qact8(const void* x, int x_bf16, std::int64_t m, std::int64_t k, void* out) {
   using namespace numatp_vec;

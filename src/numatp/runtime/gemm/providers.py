@@ -48,8 +48,8 @@ the buffer itself, shared by every such provider of a format) and never a float 
 - ``q8_aten``: ATen's ``_weight_int8pack_mm`` on views into an int8 buffer; the scales are converted to
   x's dtype (rounded to bf16 for bf16 x) and the bias added to its rounded output.
 
-``int8:a8`` weights (int8 activations too): ``qgemv`` sums the integer products of x's quantized blocks
-(VNNI, else AVX2's ``vpmaddubsw``); ``qtile``, ``q8_aten`` and ``q_dequant`` multiply x quantized and
+``int8:a8`` and ``int4:gG:a8`` weights (int8 activations too): ``qgemv`` sums the integer products of x's
+quantized blocks (VNNI, else AVX2's ``vpmaddubsw``); ``qtile``, ``q8_aten`` and ``q_dequant`` multiply x quantized and
 multiplied back (:func:`~numatp.runtime.gemm.quant.quantize_activations`, in x's dtype); ``q8dot``, a
 weight-only kernel, does not run them (:attr:`Provider.weight_only`).
 
@@ -121,7 +121,7 @@ class GemmShape:
 
     @property
     def act(self) -> int | None:
-        """8 where the quantized weight's activations are quantized too (``int8:a8``), else None."""
+        """8 where the quantized weight's activations are quantized too (the ``:a8`` formats), else None."""
         return QuantFormat.parse(self.weights).act if self.weights else None
 
     @property
@@ -166,7 +166,7 @@ class Provider:
     ``prepare(buf, m)`` gets the quantized shard (:mod:`numatp.runtime.gemm.quant`'s buffer) and returns
     it as it is: every quantized provider of a format shares that one operand."""
     weight_only: bool = False
-    """It reads weight-only formats only (not ``int8:a8``, whose activations are quantized too)."""
+    """It reads weight-only formats only (not the ``:a8`` ones, whose activations are quantized too)."""
 
     def runs(self, shape: GemmShape) -> bool:
         """Whether it takes ``shape``'s dtype, rows and weights at all (a plain provider no quantized
@@ -364,7 +364,7 @@ class _TemplateGemm:
 
 def _dequant_call(x, buf, bias, n, k):
     from numatp.runtime.gemm.quant import dequantize, header, quantize_activations
-    if header(buf)["act"]:   # int8:a8: the activations as its kernels read them
+    if header(buf)["act"]:   # the :a8 formats: the activations as their kernels read them
         x = quantize_activations(x).to(x.dtype)
     w = dequantize(buf, x.dtype)
     return torch.mm(x, w.t()) if bias is None else torch.addmm(bias, x, w.t())

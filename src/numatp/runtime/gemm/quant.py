@@ -3,7 +3,7 @@
 A decode step reads every weight once per token, so its time is the weights' bytes over the memory's
 bandwidth; int8 weights read half of bf16's bytes, int4 about a quarter. numatp quantizes each weight
 matmul's shard on its own socket, after sharding (weight-only, activations staying in the model's dtype,
-but for ``int8:a8``):
+but for the ``:a8`` formats):
 
 - ``int8``: symmetric, one scale per output channel: ``w[n, k] = q[n, k] * s[n]``; numatp's quantizer
   takes ``s = max_k |w[n, k]| / 127`` and ``q`` in [-127, 127] (values made elsewhere may hold -128).
@@ -27,7 +27,7 @@ by page and handed around like any operand), in sections aligned to 64 bytes:
 =========  ===========================================================================================
 header     16 int64: magic, version, bits (8 or 4), N, K, group (K for int8), has zeros, the byte
            offsets of ``q``, the scales and the zeros (0: none), ``q``'s bytes, the total, and the
-           activations' bits (8: ``int8:a8``, 0: weight-only)
+           activations' bits (8: the ``:a8`` formats, 0: weight-only)
 ``q``      int8: ``(N, K)`` int8, row-major. int4: ``(N, K / 2)`` bytes; per block of 32 values of a
            row, byte ``i`` (0-15) holds value ``i`` in its low nibble and value ``i + 16`` in its high
            nibble (llama.cpp's Q4_0 order: a vector of bytes unpacks into two runs of values with one AND
@@ -56,7 +56,7 @@ MAGIC = 0x5150544E   # "NTPQ"
 VERSION = 1
 GROUPS = (32, 64, 128)
 DEFAULT_INT4_GROUP = 64
-ACT_BLOCK = 32   # int8:a8: the activations' values per scale, along the input dimension
+ACT_BLOCK = 32   # the :a8 formats: the activations' values per scale, along the input dimension
 _HEADER = 128
 _ALIGN = 64
 
@@ -64,7 +64,7 @@ _ALIGN = 64
 @dataclass(frozen=True)
 class QuantFormat:
     """How a weight is stored: ``bits`` 8 (per output channel) or 4 (groups of ``group`` along K); ``act``
-    8 where the activations are quantized too (``int8:a8``), None for weight-only."""
+    8 where the activations are quantized too (``int8:a8``, ``int4:gG:a8``), None for weight-only."""
 
     bits: int
     group: int | None = None
@@ -113,8 +113,8 @@ class QuantFormat:
         return 1 if self.bits == 8 else k // int(self.group or 1)
 
     def fits(self, k: int) -> bool:
-        """Whether a shard of input size ``k`` divides into whole groups (int8: any; int8:a8: blocks of
-        :data:`ACT_BLOCK`)."""
+        """Whether a shard of input size ``k`` divides into whole groups (int8: any; with ``:a8``, whole blocks of
+        :data:`ACT_BLOCK` too)."""
         if self.act and k % ACT_BLOCK:
             return False
         return self.bits == 8 or k % int(self.group or 1) == 0
@@ -297,9 +297,9 @@ def quantize(w_nk: torch.Tensor, fmt: QuantFormat | str, out: torch.Tensor | Non
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (``(..., K)``, K a multiple of :data:`ACT_BLOCK`) as ``int8:a8``'s kernels read it, in float32:
+    """``x`` (``(..., K)``, K a multiple of :data:`ACT_BLOCK`) as the ``:a8`` formats' kernels read it, in float32:
     each block of 32 along the last dimension quantized (``d = max |x| / 127``, ``qx = round(x / d)``, ties
-    to even, in [-127, 127]; ``d = 0``: 0) and multiplied back, ``qx * d``. The reference of every ``int8:a8``
+    to even, in [-127, 127]; ``d = 0``: 0) and multiplied back, ``qx * d``. The reference of every ``:a8``
     provider (the decode kernel sums ``qx q`` as integers and scales them by ``d`` in float32: the same
     values up to float32 rounding)."""
     k = x.shape[-1]
