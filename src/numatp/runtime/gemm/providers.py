@@ -49,9 +49,9 @@ the buffer itself, shared by every such provider of a format) and never a float 
   x's dtype (rounded to bf16 for bf16 x) and the bias added to its rounded output.
 
 ``int8:a8`` and ``int4:gG:a8`` weights (int8 activations too): ``qgemv`` sums the integer products of x's
-quantized blocks (VNNI, else AVX2's ``vpmaddubsw``); ``qtile``, ``q8_aten`` and ``q_dequant`` multiply x quantized and
-multiplied back (:func:`~numatp.runtime.gemm.quant.quantize_activations`, in x's dtype); ``q8dot``, a
-weight-only kernel, does not run them (:attr:`Provider.weight_only`).
+quantized blocks (VNNI, else AVX2's ``vpmaddubsw``); ``q8dot``, ``qtile``, ``q8_aten`` and ``q_dequant``
+multiply x quantized and multiplied back (:func:`~numatp.runtime.gemm.quant.quantize_activations`, in x's
+dtype): the table takes ``q8dot`` where several rows make its shared bf16 weight the faster.
 
 Packed weights are opaque tensors (``layout=torch._mkldnn``, oneDNN's) or MKL's buffers (plain float32
 tensors, a header then MKL's bytes): a packed provider replaces the plain shard, and compiled segments
@@ -120,11 +120,6 @@ class GemmShape:
         return QuantFormat.parse(self.weights).bits if self.weights else None
 
     @property
-    def act(self) -> int | None:
-        """8 where the quantized weight's activations are quantized too (the ``:a8`` formats), else None."""
-        return QuantFormat.parse(self.weights).act if self.weights else None
-
-    @property
     def flops(self) -> int:
         return 2 * self.m * self.k * self.n
 
@@ -165,14 +160,11 @@ class Provider:
     """The quantized weights it reads, by bits (8, 4); empty: plain float weights. A quantized provider's
     ``prepare(buf, m)`` gets the quantized shard (:mod:`numatp.runtime.gemm.quant`'s buffer) and returns
     it as it is: every quantized provider of a format shares that one operand."""
-    weight_only: bool = False
-    """It reads weight-only formats only (not the ``:a8`` ones, whose activations are quantized too)."""
 
     def runs(self, shape: GemmShape) -> bool:
         """Whether it takes ``shape``'s dtype, rows and weights at all (a plain provider no quantized
         weight, a quantized one only its formats' bits)."""
-        reads = shape.bits in self.weights and not (shape.act and self.weight_only) if shape.weights \
-            else not self.weights
+        reads = shape.bits in self.weights if shape.weights else not self.weights
         return reads and getattr(torch, shape.dtype) in self.dtypes and \
             (self.max_rows is None or shape.m <= self.max_rows)
 
@@ -255,9 +247,6 @@ def _q8dot_prepare(buf, m):
     _require_dot("q8dot")
     if quant.header(buf)["zeros"]:
         raise ValueError("the q8dot provider reads int8 weights without zero points; this one has them: use qgemv")
-    if quant.header(buf)["act"]:
-        raise ValueError("the q8dot provider reads weight-only int8; this weight's activations are quantized too "
-                         "(int8:a8): use qgemv")
     return buf
 
 
@@ -398,7 +387,7 @@ PROVIDERS: dict[str, Provider] = {
     "qgemv": Provider("qgemv", (torch.float32, torch.bfloat16), False, _quant_prepare, _quant_call("qgemv"),
                       max_rows=GEMV_MAX_ROWS, weights=(8, 4)),
     "q8dot": Provider("q8dot", (torch.bfloat16,), False, _q8dot_prepare, _quant_call("q8dot"),
-                      max_rows=GEMV_MAX_ROWS, weights=(8,), weight_only=True),
+                      max_rows=GEMV_MAX_ROWS, weights=(8,)),
     "qtile": Provider("qtile", (torch.float32, torch.bfloat16), False, _quant_prepare, _quant_call("qtile"),
                       weights=(8, 4)),
     "q8_aten": Provider("q8_aten", (torch.float32, torch.bfloat16), False, _quant_prepare, _quant_call("q8_aten"),
