@@ -302,3 +302,13 @@ def test_calibrate_profiles_the_sockets_the_other_commands_run(cli, monkeypatch)
     assert code == 2 and "stop before measuring" in err
     expected = resolve_ranks(None, Topology.detect())
     assert [s.cpus for s in seen[0].sockets] == [s.cpus for s in expected.sockets]
+
+
+def test_the_weights_line_names_the_heads_format():
+    from numatp.cli._weights import describe_weights
+
+    assert describe_weights("int8", False, "bfloat16") == "int8, LM head and embeddings int8"
+    # the head's int8 quantizes its activations where the body's do
+    assert describe_weights("int4:g64:a8", False, "bfloat16") == "int4:g64:a8, LM head and embeddings int8:a8"
+    assert describe_weights("int8:a8", True, "float32") == "int8:a8, LM head and embeddings float32"
+    assert describe_weights(None, False, "float32") == "float32, not quantized"

@@ -220,6 +220,13 @@ def test_int8_activations_equal_a_twin_that_quantizes_each_matmuls_input(sockets
 
 
 @pytest.mark.unit
+def test_a_shard_the_int4_a8_groups_do_not_divide_names_the_a8_groups_that_fit(tmp_path):
+    ag, real = _traced("gpt2")
+    with pytest.raises(ValueError, match=r"not a multiple of the int4 group 64; groups that fit: int4:g32:a8"):
+        _run_quantized(ag, real, 2, "int4:g64:a8", tmp_path)
+
+
+@pytest.mark.unit
 def test_int8_activations_refuse_a_shard_that_is_not_whole_blocks(tmp_path):
     ag, real = _traced("gpt2")   # tiny gpt2: 64 features; at 4 sockets the attention output's shards are 16 wide
     with pytest.raises(ValueError, match=r"weights='int8:a8': \S*(attn|proj)\S* has a shard of input size 16 .* not a "

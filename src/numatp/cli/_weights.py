@@ -63,11 +63,13 @@ def check_weight_args(command: str, args: argparse.Namespace) -> None:
 
 
 def describe_weights(weights: str | None, keep_head: bool, dtype: str) -> str:
-    """``"int8, LM head and embeddings int8"``, ``"int4:g64, LM head and embeddings float32"``, or
-    ``"float32, not quantized"`` (the model's ``dtype``) where nothing is quantized."""
+    """``"int8, LM head and embeddings int8"``, ``"int4:g64, LM head and embeddings float32"``,
+    ``"int4:g64:a8, LM head and embeddings int8:a8"``, or ``"float32, not quantized"`` (the model's
+    ``dtype``) where nothing is quantized."""
     if weights is None:
         return f"{dtype}, not quantized"
-    return f"{weights}, LM head and embeddings {dtype if keep_head else 'int8'}"
+    head = "int8:a8" if weights.endswith(":a8") else "int8"
+    return f"{weights}, LM head and embeddings {dtype if keep_head else head}"
 
 
 def format_bytes(nbytes: float) -> str:

@@ -131,9 +131,10 @@ class QuantFormat:
             return (f"not a multiple of the activations' blocks of {ACT_BLOCK} ({self}); use 'int8' "
                     f"(weight-only) for this model")
         fit = self.fitting_groups(k)
+        a8 = ":a8" if self.act else ""
         return (f"not a multiple of the int4 group {self.group}; "
-                + (f"groups that fit: {', '.join(f'int4:g{g}' for g in fit)}" if fit
-                   else "no int4 group (32, 64, 128) divides it: use 'int8'"))
+                + (f"groups that fit: {', '.join(f'int4:g{g}{a8}' for g in fit)}" if fit
+                   else f"no int4 group (32, 64, 128) divides it: use 'int8{a8}'"))
 
 
 @dataclass
