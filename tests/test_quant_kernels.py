@@ -38,9 +38,12 @@ def _buffer(fmt: str, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return quant.quantize(torch.randn(n, k, generator=gen), fmt)
 
 
-def _check(y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
+def _check(y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor, bias: torch.Tensor | None, what: str,
+           *, x_read: torch.Tensor | None = None) -> None:
+    """``y`` against ``x @ dequantize(buf).T + b`` (``x_read`` in place of x where the kernel reads other
+    values: the :a8 formats' quantized x), to the tolerance of x's dtype."""
     w = quant.dequantize(buf)
-    xf = x.float()
+    xf = (x if x_read is None else x_read).float()
     ref = xf @ w.T + (bias.float() if bias is not None else 0)
     mag = xf.abs() @ w.abs().T + (bias.float().abs() if bias is not None else 0)
     k = x.shape[1]
@@ -303,21 +306,10 @@ def _values(buf: torch.Tensor) -> tuple:
 
 def _check_a8(y: torch.Tensor, x: torch.Tensor, buf: torch.Tensor, bias: torch.Tensor | None, what: str,
               *, rounded: bool = False) -> None:
-    """``y`` against ``quantize_activations(x) @ dequantize(buf).T + b``: x's blocks quantized as the kernels
-    read them (``rounded``: then rounded to x's dtype, as the prompt providers multiply them), the tolerance
-    of ``y``'s dtype as in :func:`_check`."""
+    """:func:`_check` with x's blocks quantized as the kernels read them (``rounded``: then rounded to x's
+    dtype, as the prompt providers multiply them)."""
     xq = quant.quantize_activations(x)
-    if rounded:
-        xq = xq.to(x.dtype)
-    w = quant.dequantize(buf)
-    ref = xq.float() @ w.T + (bias.float() if bias is not None else 0)
-    mag = xq.float().abs() @ w.abs().T + (bias.float().abs() if bias is not None else 0)
-    k = x.shape[1]
-    tol = mag * (2 * k * torch.finfo(torch.float32).eps if y.dtype == torch.float32 else 2.0 ** -7)
-    err = (y.float() - ref).abs()
-    assert y.dtype == x.dtype and y.shape == ref.shape, f"{what}: {y.dtype} {tuple(y.shape)}"
-    assert bool((err <= tol + 1e-30).all()), \
-        f"{what}: max error {err.max().item():.3g}, worst error/tolerance {(err / (tol + 1e-30)).max().item():.3g}"
+    _check(y, x, buf, bias, what, x_read=xq.to(x.dtype) if rounded else xq)
 
 
 @pytest.mark.unit

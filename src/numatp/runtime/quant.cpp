@@ -544,12 +544,7 @@ void i8_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (
         acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(dx + r * blocks + b), acc[r][b & 1]);
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      sum[r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-    }
+    for (int r = 0; r < MR; ++r) sum[r] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
     for (int r = 0; r < MR; ++r) {
       float t = 0.f;
@@ -619,14 +614,8 @@ void i4_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    std::int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
-      const std::uint8_t* p = q + 16 * b;
-      if (b % 8 == 0) ahead(p + kAheadBytes);
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-      const __m256 sv = _mm256_set_m128(_mm_set1_ps(s[(b + 1) / per_group]), _mm_set1_ps(s[b / per_group]));
-      const int h = static_cast<int>((b / 2) & 1);
+    // the run of blocks from b (its low and high nibbles, its blocks' group scales by lane) into chain h
+    auto run = [&](std::int64_t b, __m256i lo, __m256i hi, __m256 sv, int h) {
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const std::int8_t* xr = qx + r * kq + 32 * b;
@@ -636,28 +625,23 @@ void i4_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (
         const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
         acc[r][h] = _mm256_fmadd_ps(t, _mm256_mul_ps(_mm256_loadu_ps(d4 + r * (kq / 8) + 4 * b), sv), acc[r][h]);
       }
+    };
+    std::int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) {
+      const std::uint8_t* p = q + 16 * b;
+      if (b % 8 == 0) ahead(p + kAheadBytes);
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      run(b, _mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
+          _mm256_set_m128(_mm_set1_ps(s[(b + 1) / per_group]), _mm_set1_ps(s[b / per_group])),
+          static_cast<int>((b / 2) & 1));
     }
     if (b < blocks) {   // an odd last block: its 16 bytes, the high half of the vectors zero
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
       const __m128i l4 = _mm_set1_epi8(0x0F);
-      const __m256i lo = _mm256_zextsi128_si256(_mm_and_si128(v, l4));
-      const __m256i hi = _mm256_zextsi128_si256(_mm_and_si128(_mm_srli_epi16(v, 4), l4));
-      const __m256 sv = _mm256_set1_ps(s[b / per_group]);
-      for (int r = 0; r < MR; ++r) {
-        const std::int8_t* xr = qx + r * kq + 32 * b;
-        const __m256i p16 = _mm256_add_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
-            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32))));
-        const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-        acc[r][0] = _mm256_fmadd_ps(t, _mm256_mul_ps(_mm256_loadu_ps(d4 + r * (kq / 8) + 4 * b), sv), acc[r][0]);
-      }
+      run(b, _mm256_zextsi128_si256(_mm_and_si128(v, l4)),
+          _mm256_zextsi128_si256(_mm_and_si128(_mm_srli_epi16(v, 4), l4)), _mm256_set1_ps(s[b / per_group]), 0);
     }
-    for (int r = 0; r < MR; ++r) {
-      const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
-      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-      const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      sum[r] = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
-    }
+    for (int r = 0; r < MR; ++r) sum[r] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
     for (int r = 0; r < MR; ++r) {
       float t = 0.f;

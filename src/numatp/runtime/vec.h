@@ -52,6 +52,17 @@ inline void ahead(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) ahead(static_cast<const char*>(p) + i);
 }
 
+#if defined(__AVX2__)
+// the sum of 8 fp32 lanes: vsum where the vectors are AVX2's, and the 256-bit integer-product loops of
+// quant.cpp whatever the width
+inline float sum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // ---- vectors of fp32, loaded from fp32 or bf16 ----
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
@@ -85,12 +96,7 @@ using vf = __m256;
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vset(float v) { return _mm256_set1_ps(v); }
-inline float vsum(vf a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
+inline float vsum(vf a) { return sum8(a); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vload(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
