@@ -18,7 +18,7 @@ import torch
 from numatp.runtime.gemm import NATIVE, PROVIDERS, GemmShape, measure_all, quant
 from numatp.runtime.gemm.providers import dot_usable as numatp_dot_usable
 from numatp.runtime.gemm.quant import QuantFormat
-from numatp.runtime.native import _HERE, compiler, load_ops
+from numatp.runtime.native import _HERE, compiler, library_path, load_ops
 
 FORMATS = ["int8", "int4:g32", "int4:g64", "int4:g128", "int4:g32+zeros"]
 # the q8dot provider's CPUs, by the flags Linux lists (numatp's own check is what the tests exercise)
@@ -279,6 +279,46 @@ def test_fallback_paths(tmp_path, isa):
                     lib.numatp_qgemv(base + h["q_off"], base + h["s_off"], None, h["bits"], n, k, h["group"],
                                      x.data_ptr(), int(dtype == torch.bfloat16), None, y.data_ptr(), m, 0, 1)
                     _check_a8(y, x, buf, None, f"{isa} qgemv {fmt} {dtype} k={k} m={m}")
+
+
+def _act8_inputs(gen: torch.Generator) -> list[torch.Tensor]:
+    """x for the activations' quantizer: blocks from 1e-3 to 1e2, a block of zeros, values on rounding ties
+    (multiples of d / 2), one row of 40 for the team's split."""
+    xs = []
+    for m, k in ((1, 32), (3, 96), (40, 1056)):
+        x = torch.randn(m, k, generator=gen) * torch.logspace(-3, 2, k // 32).repeat_interleave(32)
+        x[0, :32] = 0.0
+        if k >= 96:   # 127 at the block's end sets d = 1 / 2: (2j + 1) / 4 are ties of x / d = j + 1/2
+            x[-1, 32:64] = torch.arange(32) * 0.5 + 0.25
+            x[-1, 63] = 63.5
+        xs.append(x)
+    return xs
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_act8_pass_equals_quantize_activations(tmp_path, isa):
+    # numatp_qact8 (the :a8 prompt providers' x) is quantize_activations exactly, rounded once to x's dtype
+    if isa == "native":
+        lib = ctypes.CDLL(str(library_path()))
+    else:
+        lib = _fallback_library(tmp_path, ["-mno-avx512f"] + (["-mno-avx2", "-mno-fma"] if isa == "scalar" else []))
+    lib.numatp_qact8.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    gen = torch.Generator().manual_seed(11)
+    for x32 in _act8_inputs(gen):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = x32.to(dtype)
+            out = torch.empty_like(x)
+            lib.numatp_qact8(x.data_ptr(), int(dtype == torch.bfloat16), x.shape[0], x.shape[1], out.data_ptr())
+            ref = quant.quantize_activations(x).to(dtype)
+            assert torch.equal(out, ref), f"{isa} {dtype} {tuple(x.shape)}: {(out.float() - ref.float()).abs().max()}"
+    x = torch.ones(2, 64)
+    x[1, 40] = float("nan")   # a NaN block: NaN throughout, as the reference; the other blocks unchanged
+    out = torch.empty_like(x)
+    lib.numatp_qact8(x.data_ptr(), 0, 2, 64, out.data_ptr())
+    ref = quant.quantize_activations(x)
+    assert torch.equal(out.isnan(), ref.isnan()) and out[1, 32:].isnan().all()
+    assert torch.equal(out.nan_to_num(), ref.nan_to_num())
 
 
 @pytest.mark.integration

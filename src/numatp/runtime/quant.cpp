@@ -957,23 +957,44 @@ void numatp_qact8(const void* x, int x_bf16, std::int64_t m, std::int64_t k, voi
   // blocks over the calling thread's team (a prompt's x is rows x K: 512 x 1024 took 1.5 ms on one thread
   // element by element, against the few microseconds of a decode row)
   numatp_vec::parallel(m * k / 32, 64, [&](std::int64_t b0, std::int64_t b1) {
-    float xf[32];
-    std::int8_t q[32];
+    alignas(64) float xf[32];
+    alignas(16) std::int8_t q[32];
     for (std::int64_t b = b0; b < b1; ++b) {
+#if defined(__AVX512F__)
+      // in vectors: element by element this pass took 20-37% of an :a8 prompt's time over the weight-only
+      // format's (one Sapphire Rapids core, gpt2-medium and qwen2.5-0.5b, 512 tokens)
+      for (int h = 0; h < 2; ++h)
+        _mm512_store_ps(xf + 16 * h, x_bf16 ? vload(static_cast<const bf16*>(x) + 32 * b + 16 * h)
+                                            : vload(static_cast<const float*>(x) + 32 * b + 16 * h));
+      int sum;
+      const float d = quant_kernels::quantize_block_v(xf, q, sum);
+      for (int h = 0; h < 2; ++h) {
+        const __m512 v = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * h)))),
+            _mm512_set1_ps(d));
+        if (!x_bf16) {
+          _mm512_storeu_ps(static_cast<float*>(out) + 32 * b + 16 * h, v);
+          continue;
+        }
+        std::uint16_t* o = static_cast<std::uint16_t*>(out) + 32 * b + 16 * h;
+#if defined(__AVX512BF16__)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(v));   // to nearest even
+#else
+        _mm512_store_ps(xf + 16 * h, v);
+        for (int i = 0; i < 16; ++i) o[i] = float_to_bf16(xf[16 * h + i]);
+#endif
+      }
+#else
       for (int i = 0; i < 32; ++i)
         xf[i] = x_bf16 ? bf16_to_float(static_cast<const std::uint16_t*>(x)[32 * b + i])
                        : static_cast<const float*>(x)[32 * b + i];
-#if defined(__AVX512F__)
-      int sum;
-      const float d = quant_kernels::quantize_block_v(xf, q, sum);
-#else
       const float d = quant_kernels::quantize_block(xf, q);
-#endif
       for (int i = 0; i < 32; ++i) {
         const float v = float(q[i]) * d;
         if (x_bf16) static_cast<std::uint16_t*>(out)[32 * b + i] = float_to_bf16(v);
         else static_cast<float*>(out)[32 * b + i] = v;
       }
+#endif
     }
   });
 }
