@@ -265,7 +265,9 @@ def test_fallback_paths(tmp_path, isa):
             assert torch.equal(wd, quant.dequantize(buf)[3:].to(dtype)), f"{isa} dequantize {fmt} {dtype}"
     # int8 activations (AVX2: vpmaddubsw on |q| and qx with q's sign, on int4's nibbles and qx; scalar: int32
     # sums)
-    for fmt, ks in (("int8:a8", (32, 96, 1056)), ("int4:g32:a8", (32, 96, 1056)), ("int4:g128:a8", (128, 384))):
+    # (int4: runs of 4 blocks, then a pair, then an odd block: K of 1 to 33 blocks covers each ending)
+    for fmt, ks in (("int8:a8", (32, 96, 224, 1056)), ("int4:g32:a8", (32, 96, 160, 224, 1056)),
+                    ("int4:g64:a8", (64, 192)), ("int4:g128:a8", (128, 384))):
         for k in ks:
             n = 24
             buf = quant.quantize(torch.randn(n, k, generator=gen), fmt)

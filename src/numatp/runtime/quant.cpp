@@ -532,7 +532,9 @@ void i8_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (std::int64_t b = 0; b < blocks; ++b) {
+    // block b into chain H (a constant, as in i4_a8)
+    auto one = [&](std::int64_t b, auto h_c) {
+      constexpr int H = decltype(h_c)::value;
       const std::int64_t c = 32 * b;
       if (b % 2 == 0) ahead(q + c + kAheadBytes);
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c));
@@ -541,9 +543,12 @@ void i8_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (
       for (int r = 0; r < MR; ++r) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * k + c));
         const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones);
-        acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(dx + r * blocks + b), acc[r][b & 1]);
+        acc[r][H] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_broadcast_ss(dx + r * blocks + b), acc[r][H]);
       }
-    }
+    };
+    std::int64_t b = 0;
+    for (; b + 2 <= blocks; b += 2) one(b, std::integral_constant<int, 0>{}), one(b + 1, std::integral_constant<int, 1>{});
+    if (b < blocks) one(b, std::integral_constant<int, 0>{});
     for (int r = 0; r < MR; ++r) sum[r] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
     for (int r = 0; r < MR; ++r) {
@@ -649,8 +654,12 @@ void i4_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    // the run of blocks from b (its low and high nibbles, its blocks' group scales by lane) into chain h
-    auto run = [&](std::int64_t b, __m256i lo, __m256i hi, __m256 sv, int h) {
+    const int gshift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;   // block b's group: b >> gshift
+    // the run of blocks from b (its low and high nibbles, its blocks' group scales by lane) into chain H (a
+    // constant: an accumulator picked at run time lives on the stack, as a division in the loop costs; see
+    // the VNNI loop)
+    auto run = [&](std::int64_t b, __m256i lo, __m256i hi, __m256 sv, auto h_c) {
+      constexpr int H = decltype(h_c)::value;
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const std::int8_t* xr = qx + r * kq + 32 * b;
@@ -658,23 +667,25 @@ void i4_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (
             _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
             _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32))));
         const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-        acc[r][h] = _mm256_fmadd_ps(t, _mm256_mul_ps(_mm256_loadu_ps(d4 + r * (kq / 8) + 4 * b), sv), acc[r][h]);
+        acc[r][H] = _mm256_fmadd_ps(t, _mm256_mul_ps(_mm256_loadu_ps(d4 + r * (kq / 8) + 4 * b), sv), acc[r][H]);
       }
     };
-    std::int64_t b = 0;
-    for (; b + 2 <= blocks; b += 2) {
+    auto pair = [&](std::int64_t b, auto h_c) {   // blocks b and b + 1
       const std::uint8_t* p = q + 16 * b;
       if (b % 8 == 0) ahead(p + kAheadBytes);
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       run(b, _mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4),
-          _mm256_set_m128(_mm_set1_ps(s[(b + 1) / per_group]), _mm_set1_ps(s[b / per_group])),
-          static_cast<int>((b / 2) & 1));
-    }
+          _mm256_set_m128(_mm_set1_ps(s[(b + 1) >> gshift]), _mm_set1_ps(s[b >> gshift])), h_c);
+    };
+    std::int64_t b = 0;
+    for (; b + 4 <= blocks; b += 4) pair(b, std::integral_constant<int, 0>{}), pair(b + 2, std::integral_constant<int, 1>{});
+    if (b + 2 <= blocks) pair(b, std::integral_constant<int, 0>{}), b += 2;
     if (b < blocks) {   // an odd last block: its 16 bytes, the high half of the vectors zero
       const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * b));
       const __m128i l4 = _mm_set1_epi8(0x0F);
       run(b, _mm256_zextsi128_si256(_mm_and_si128(v, l4)),
-          _mm256_zextsi128_si256(_mm_and_si128(_mm_srli_epi16(v, 4), l4)), _mm256_set1_ps(s[b / per_group]), 0);
+          _mm256_zextsi128_si256(_mm_and_si128(_mm_srli_epi16(v, 4), l4)), _mm256_set1_ps(s[b >> gshift]),
+          std::integral_constant<int, 1>{});
     }
     for (int r = 0; r < MR; ++r) sum[r] = sum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
