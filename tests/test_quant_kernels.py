@@ -372,6 +372,16 @@ def test_activation_quantization_reference():
         quant.quantize_activations(torch.zeros(1, 40))
 
 
+@pytest.mark.integration
+def test_a_buffer_with_other_int4_groups_is_refused():
+    # the kernels are built for groups of 32, 64 and 128: a header saying 256 is an error, not a wrong sum
+    load_ops()
+    buf = quant.quantize(torch.randn(8, 256), "int4:g128").clone()
+    buf[:128].view(torch.int64)[5] = 256
+    with pytest.raises(RuntimeError, match="cannot have groups of 256 \\(int4 takes groups of 32, 64 or 128"):
+        torch.ops.numatp.linear(torch.randn(1, 256), buf, None, NATIVE["qgemv"], 8, 256)
+
+
 @pytest.mark.unit
 def test_a8_format_and_its_errors():
     f = QuantFormat.parse("int8:a8")

@@ -419,8 +419,11 @@ QuantBuf quant_buf(const at::Tensor& w, int64_t n, int64_t k, const char* who) {
                                               : "(" + std::to_string(n) + ", " + std::to_string(k) + ")");
   TORCH_CHECK(b.bits == 8 || b.bits == 4, who, ": quantized weights are int8 or int4, the header says ", b.bits,
               " bits");
-  TORCH_CHECK(b.group > 0 && b.k % b.group == 0 && (b.bits == 8 ? b.group == b.k : b.group % 32 == 0), who,
-              ": a ", b.bits, "-bit weight of K = ", b.k, " cannot have groups of ", b.group);
+  // int4's kernels are built for groups of 32, 64 and 128 (numatp.runtime.gemm.quant.GROUPS)
+  TORCH_CHECK(b.group > 0 && b.k % b.group == 0 &&
+                  (b.bits == 8 ? b.group == b.k : b.group == 32 || b.group == 64 || b.group == 128),
+              who, ": a ", b.bits, "-bit weight of K = ", b.k, " cannot have groups of ", b.group,
+              b.bits == 4 ? " (int4 takes groups of 32, 64 or 128 dividing K)" : " (int8 takes one scale a channel)");
   TORCH_CHECK(b.act == 0 || (b.act == 8 && !b.zeros && b.k % 32 == 0), who,
               ": int8 activations (int8:a8, int4:gG:a8) go with weights without zeros and K a multiple of 32; the "
               "header says activations ", b.act, ", ", b.bits, "-bit weights", b.zeros ? " with zeros" : "", ", K = ",
