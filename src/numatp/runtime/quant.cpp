@@ -618,7 +618,7 @@ void i4_a8(const QW& w, const Act8& a, std::int64_t r0, std::int64_t n0, float (
     // the run of blocks from b into chain H; Full: four whole blocks (plain loads), else the row's last
     // blocks (masked). H is a constant and no division is left in the loop: an accumulator picked by a
     // run-time index lived on the stack, and the run's group count took an idiv (int4:g64:a8 from L2 at 13
-    // GB/s on one Sapphire Rapids core, the int8 :a8 kernel 52)
+    // GB/s on one core of an AMX Xeon, the int8 :a8 kernel 52)
     auto run = [&](std::int64_t b, auto full_c, auto h_c) {
       constexpr bool Full = decltype(full_c)::value;
       constexpr int H = decltype(h_c)::value;
@@ -993,7 +993,7 @@ void numatp_qact8(const void* x, int x_bf16, std::int64_t m, std::int64_t k, voi
     for (std::int64_t b = b0; b < b1; ++b) {
 #if defined(__AVX512F__)
       // in vectors: element by element this pass took 20-37% of an :a8 prompt's time over the weight-only
-      // format's (one Sapphire Rapids core, gpt2-medium and qwen2.5-0.5b, 512 tokens)
+      // format's (one core of an AMX Xeon, gpt2-medium and qwen2.5-0.5b, 512 tokens)
       for (int h = 0; h < 2; ++h)
         _mm512_store_ps(xf + 16 * h, x_bf16 ? vload(static_cast<const bf16*>(x) + 32 * b + 16 * h)
                                             : vload(static_cast<const float*>(x) + 32 * b + 16 * h));
