@@ -14,7 +14,8 @@ its one socket and writes what it saw as JSON to ``OUT/RANK.json``. Scenarios:
   (``NUMATP_TEST_CHECKPOINT``), reporting the elements this process read from it;
 - ``sums``: :class:`numatp.runtime.hosts.Hosts` alone: each process's own tensors (small ones, summed by
   a gather, and one over ``GATHER_BYTES``, by gloo's all-reduce) summed across the 2, with the expected
-  sums and a digest of the results' bytes; gloo's transport threads and their scheduling policy;
+  sums and a digest of the results' bytes; then 40 sums whose sizes and dtypes change from one to the
+  next; gloo's transport threads and numatp's waiting thread, and their scheduling policy;
 - ``node`` (the multi-node guest): process R takes NUMA node R's socket (its CPUs, its memory, shards
   bound there strictly) instead of one CPU, and reports ``equal``'s facts with the pages per node.
 """
@@ -156,10 +157,25 @@ def _sums(rank: int, world: int, out: str) -> None:
             result[name] = {"equal": bool(torch.equal(t, expected)),
                             "max_diff": float((t.float() - expected.float()).abs().max()),
                             "digest": hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()}
+    # a run of exchanges whose sizes and dtypes change from one to the next (the receives posted one sum
+    # ahead are as large as any exchange), one of them gloo's all-reduce
+    run = []
+    for i in range(40):
+        dtype = (torch.float32, torch.bfloat16)[i % 2]
+        n = large if i == 17 else 1 + (i * 977) % 5000
+        mine = [torch.randn(n, generator=torch.Generator().manual_seed(7 * i + r)).to(dtype) for r in range(world)]
+        t = mine[rank].clone()
+        hosts.all_reduce(t)
+        run.append(bool(torch.equal(t, torch.stack(mine).sum(0))))
+    result["run"] = run
+    result["awake"] = {}
     for tid in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().strip().startswith("gloo_tcp_loop"):
-                result["loops"][tid] = os.sched_getscheduler(int(tid)) == os.SCHED_IDLE
+            name = f.read().strip()
+        if name.startswith("gloo_tcp_loop"):
+            result["loops"][tid] = os.sched_getscheduler(int(tid)) == os.SCHED_IDLE
+        if name == "numatp-awake":
+            result["awake"][tid] = os.sched_getscheduler(int(tid)) == os.SCHED_IDLE
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(result, f)
     sys.stdout.flush()

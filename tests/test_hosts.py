@@ -99,7 +99,7 @@ def test_two_processes_compiled_with_inductor_match_eager(tmp_path):
     _equal(_hosts("equal", tmp_path, mode="inductor"))
 
 
-def test_cross_host_sums_are_the_same_bits_everywhere_by_gather_and_by_all_reduce(tmp_path):
+def test_cross_host_sums_are_the_same_bits_everywhere_by_exchange_and_by_all_reduce(tmp_path):
     got = _hosts("sums", tmp_path)
     assert set(got) == {0, 1}, got
     cases = [k for k in got[0] if "-" in k]
@@ -109,8 +109,11 @@ def test_cross_host_sums_are_the_same_bits_everywhere_by_gather_and_by_all_reduc
             assert d[k]["equal"], (k, d[k]["max_diff"])   # the sum in process order, to the bit
         assert got[0][k]["digest"] == got[1][k]["digest"], k
     for d in got.values():
-        # the group's transport threads run only on an otherwise idle CPU (the default group's keep theirs)
+        assert len(d["run"]) == 40 and all(d["run"]), d["run"]
+        # the group's transport threads run only on an otherwise idle CPU (the default group's keep theirs),
+        # and so does the thread that keeps the CPU awake while a sum waits
         assert d["demoted"] >= 1 and sum(d["loops"].values()) == d["demoted"], d["loops"]
+        assert list(d["awake"].values()) == [True], d["awake"]
 
 
 def test_each_process_reads_only_its_slices_of_a_checkpoint(tmp_path):
@@ -163,43 +166,88 @@ def test_a_process_keeps_only_its_ranks_index_sets():
         for_process(prog, 0, 2)
 
 
-def test_a_cross_host_sum_reuses_its_gather_buffer_and_takes_a_new_one_where_it_is_in_use():
-    """The sum of a shape gathers into the buffer of the sum before (a decode step's reductions), a new
-    shape gets a new one, and a sum that finds the kept buffer in use by another thread's gathers into a
-    buffer of its own: every sum right. The process group is a stand-in whose gather fills each process's
-    part (process p sends the tensor plus p)."""
-    from numatp.runtime.hosts import Hosts
+@pytest.mark.parametrize("size,rank", [(2, 0), (2, 1), (3, 1), (3, 2)])
+def test_a_cross_host_sum_posts_the_next_receives_before_it_waits_and_adds_in_process_order(size, rank):
+    """The exchange's protocol, against a stand-in process group: each sum sends to every peer, posts the
+    next sum's receives (into the other buffer) before it waits for its own (posted one sum ahead), and
+    adds every process's part in process order; a sum over ``GATHER_BYTES`` goes to the all-reduce and
+    leaves the posted receives for the next exchange. Peer ``p`` sends ``p + 1`` times what this process
+    sends (in its dtype), so the sum is ``t`` times the sum of the factors, each part in its place."""
+    from numatp.runtime.hosts import GATHER_BYTES, Hosts, _Awake
 
-    gathered: list[list[torch.Tensor]] = []
+    events: list[tuple] = []
+    sent: dict[int, torch.Tensor] = {}
+    dtype = [torch.float32]
 
-    class Done:
+    class Work:
+        def __init__(self, fill=None):
+            self.fill = fill
+
         def wait(self):
+            if self.fill is not None:
+                self.fill()
+                events.append(("waited", self.peer, self.row.data_ptr()))
             return True
 
     class Group:
-        def allgather(self, outs, ins):
-            gathered.append(outs[0])
-            for p, part in enumerate(outs[0]):
-                part.copy_(ins[0] + p)
-            return Done()
+        def send(self, ts, peer, tag):
+            events.append(("send", peer))
+            sent[peer] = ts[0].clone()
+            return Work()
+
+        def recv(self, ts, peer, tag):
+            row = ts[0]
+            events.append(("recv", peer, row.data_ptr()))
+
+            def fill():   # the peer's message: (p + 1) times this process's last one, in the sum's dtype
+                mine = sent[peer].view(dtype[0])
+                theirs = ((peer + 1) * mine).view(torch.uint8)
+                row[:theirs.numel()].copy_(theirs)
+            w = Work(fill)
+            w.peer, w.row = peer, row
+            return w
+
+        def allreduce(self, ts):
+            events.append(("allreduce",))
+            ts[0].mul_(sum(p + 1 if p != rank else 1 for p in range(size)))
+            return Work()
 
     hosts = Hosts.__new__(Hosts)   # the collective's state only: no torch.distributed here
-    hosts.size, hosts.group = 2, Group()
-    hosts._gather, hosts._gather_lock = None, threading.Lock()
-    t = torch.arange(4.0).reshape(1, 1, 4)
-    for _ in range(2):
+    hosts.size, hosts.rank, hosts.group = size, rank, Group()
+    row = GATHER_BYTES // size // 64 * 64
+    hosts._rows = [torch.empty((size, row), dtype=torch.uint8) for _ in range(2)]
+    hosts._turn, hosts._posted, hosts._exchange_lock = 0, None, threading.Lock()
+    hosts.awake = _Awake(None)
+    peers = [p for p in range(size) if p != rank]
+    factor = 1 + sum(p + 1 for p in peers)
+    # the last: as large as an exchange gets (a row, whole cache lines, of GATHER_BYTES / processes)
+    for i, (n, dt) in enumerate([(4, torch.float32), (1024, torch.bfloat16), (3, torch.float32),
+                                 (row // 4, torch.float32)]):
+        dtype[0] = dt
+        t = (torch.arange(n, dtype=torch.float32) + i).to(dt).reshape(1, 1, n)
         x = t.clone()
+        del events[:]
         hosts._sum(x)
-        assert torch.equal(x, 2 * t + 1)
-    assert gathered[0][0].data_ptr() == gathered[1][0].data_ptr()   # the same buffer, twice
-    y = torch.ones(1, 2, 4, dtype=torch.bfloat16)
-    hosts._sum(y)
-    assert torch.equal(y, torch.full((1, 2, 4), 3.0, dtype=torch.bfloat16))
-    kept = hosts._gather[1].data_ptr()
-    with hosts._gather_lock:   # another thread's sum holds the kept buffer
-        z = torch.ones(1, 2, 4, dtype=torch.bfloat16)
-        hosts._sum(z)
-    assert torch.equal(z, y) and gathered[-1][0].data_ptr() != kept and hosts._gather[1].data_ptr() == kept
+        parts = [t if p == rank else (p + 1) * t for p in range(size)]   # each in the sum's dtype
+        want = parts[0] + parts[1]
+        for part in parts[2:]:
+            want = want + part   # rounded after each add, in process order
+        assert torch.equal(x, want), (i, x, want)
+        # send, post the next sum's receives, then wait for this sum's (the first sum posts its own first)
+        P = len(peers)
+        want = (["recv"] * P if i == 0 else []) + ["send"] * P + ["recv"] * P + ["waited"] * P
+        assert [e[0] for e in events] == want
+        posted = [e for e in events if e[0] == "recv"]
+        waited = [e for e in events if e[0] == "waited"]
+        this, other = hosts._rows[i % 2], hosts._rows[1 - i % 2]
+        assert {e[2] for e in waited} == {this[p].data_ptr() for p in peers}
+        assert {e[2] for e in posted[-len(peers):]} == {other[p].data_ptr() for p in peers}
+    big = torch.ones(row // 4 + 1)   # one element more: gloo's all-reduce
+    del events[:]
+    hosts._sum(big)
+    assert events == [("allreduce",)] and torch.equal(big, torch.full_like(big, float(factor)))
+    posted_before = hosts._posted
+    assert posted_before is not None and len(posted_before) == len(peers)   # still waiting for the next exchange
 
 
 def test_bad_host_options_are_named():

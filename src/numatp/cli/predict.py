@@ -189,7 +189,7 @@ def _hosts(args: argparse.Namespace) -> int:
     from numatp.runtime.hosts import GATHER_BYTES
 
     print("(each host does its share of the one-host sharded step; every reduction and the logits gather add a "
-          f"cross-host sum: up to {GATHER_BYTES >> 20} MiB gathered, a ring all-gather of H-1 messages and H-1 "
+          f"cross-host sum: up to {GATHER_BYTES >> 20} MiB gathered, an exchange of one message's latency and H-1 "
           "times its bytes, larger a ring all-reduce of 2 (H-1) messages and 2 (H-1)/H of its bytes; speedup: 1 host / "
           f"{args.hosts} hosts. A second host pays where its share of the step outweighs the messages)")
     print(f"({assumptions(profiles, args.dtype, builtin=all(n in BUILTIN_PROFILES for n in names))})")

@@ -87,9 +87,10 @@ def predict_hosts(preset: str | Mapping[str, Any], batch: int, prompt: int, new_
     reductions divide the same way: an upper bound on what a second host gives). Each of the step's
     reductions (2 per layer and the vocabulary-parallel lookup's) adds one cross-host sum of the (batch,
     hidden) partial sums, and the logits gather one more of (batch, vocabulary) in fp32, each the way
-    :class:`numatp.runtime.hosts.Hosts` sums: up to :data:`~numatp.runtime.hosts.GATHER_BYTES` gathered, a
-    ring all-gather (``H - 1`` messages of latency, ``H - 1`` times its bytes at the network's rate),
-    larger a ring all-reduce (``2 (H - 1)`` messages, ``2 (H - 1) / H`` of its bytes).
+    :class:`numatp.runtime.hosts.Hosts` sums: up to :data:`~numatp.runtime.hosts.GATHER_BYTES` gathered, an
+    exchange (each host sends its sum to every other at once: one message of latency, ``H - 1`` times its
+    bytes through the host's link at the network's rate), larger a ring all-reduce (``2 (H - 1)``
+    messages, ``2 (H - 1) / H`` of its bytes).
     Returns ``{"seconds": [one host, ..., hosts], "speedup": one host / hosts, "network": seconds of the
     network at ``hosts``}``."""
     if hosts < 1 or network_gbs <= 0 or latency_us < 0:
@@ -111,10 +112,12 @@ def predict_hosts(preset: str | Mapping[str, Any], batch: int, prompt: int, new_
 
 def _cross_host_seconds(hosts: int, nbytes: int, network_gbs: float, latency_us: float) -> float:
     """One cross-host sum of ``nbytes`` per host, as :meth:`numatp.runtime.hosts.Hosts.all_reduce` does it."""
-    from numatp.runtime.hosts import GATHER_BYTES
+    from numatp.runtime.hosts import exchanged
 
-    if hosts * nbytes <= GATHER_BYTES:   # gathered: each host's sum reaches every other
-        messages, moved = hosts - 1, float((hosts - 1) * nbytes)
+    if hosts == 1:
+        return 0.0
+    if exchanged(nbytes, hosts):   # an exchange: each host's sum goes to every other at once
+        messages, moved = 1, float((hosts - 1) * nbytes)
     else:
         messages, moved = 2 * (hosts - 1), 2 * (hosts - 1) / hosts * nbytes
     return messages * latency_us * 1e-6 + moved / (network_gbs * 1e9)

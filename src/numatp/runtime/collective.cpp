@@ -18,6 +18,12 @@
 #include <cstring>
 #include <ctime>
 #include <sched.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define NUMATP_PAUSE() _mm_pause()
@@ -214,6 +220,38 @@ int numatp_all_reduce(void* comm, int rank, const void* src, void* dst, std::int
                (hi - lo) * elsize);
   }
   return barrier(c, rank, deadline, missing);  // no peer reads my src or my dst any more
+}
+
+// A CPU kept awake while this process waits for another's message (numatp/runtime/hosts.py): the thread
+// that runs numatp_awake_run sleeps while *state is 0, yields in a loop while it is 1 (at SCHED_IDLE, set by
+// its caller: it gives way to any other thread of its CPU), and returns once it is 2. numatp_awake_set
+// stores a state and wakes the sleeper. The thread is named numatp-awake (top, perf).
+void numatp_awake_run(std::int32_t* state) {
+#if defined(__linux__)
+  pthread_setname_np(pthread_self(), "numatp-awake");
+#endif
+  std::atomic_ref<std::int32_t> s(*state);
+  for (;;) {
+    const std::int32_t v = s.load(std::memory_order_acquire);
+    if (v == 2) return;
+    if (v == 1) {
+      sched_yield();
+      continue;
+    }
+#if defined(__linux__)
+    syscall(SYS_futex, state, FUTEX_WAIT_PRIVATE, 0, nullptr, nullptr, 0);  // returns at once unless still 0
+#else
+    timespec nap{0, 1000000};
+    nanosleep(&nap, nullptr);
+#endif
+  }
+}
+
+void numatp_awake_set(std::int32_t* state, std::int32_t value) {
+  std::atomic_ref<std::int32_t>(*state).store(value, std::memory_order_release);
+#if defined(__linux__)
+  if (value != 0) syscall(SYS_futex, state, FUTEX_WAKE_PRIVATE, 1, nullptr, nullptr, 0);
+#endif
 }
 
 }  // extern "C"

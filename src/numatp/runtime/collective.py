@@ -79,6 +79,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.numatp_socket_leave.argtypes = [f64p, f64p, ctypes.POINTER(i64), u64p]
     lib.numatp_socket_leave.restype = ctypes.c_int
     lib.numatp_socket_rehearse.argtypes, lib.numatp_socket_rehearse.restype = [], None
+    i32p = ctypes.POINTER(ctypes.c_int32)
+    lib.numatp_awake_run.argtypes, lib.numatp_awake_run.restype = [i32p], None
+    lib.numatp_awake_set.argtypes, lib.numatp_awake_set.restype = [i32p, ctypes.c_int32], None
     return lib
 
 
