@@ -42,8 +42,8 @@ GATHER_BYTES = 1 << 20
 process sends its sum to every other and adds theirs in process order (the same bits in every process),
 into receives posted one sum ahead, so that a message finds its receiver waiting and goes out at once
 (gloo's own all-gather and all-reduce run on its worker thread and meet each message with a notification
-first; measured on a 2-core VM, 2 processes, 2 KiB sums inside a decode step: median 88 us after the last
-process arrives against 190). Larger, gloo's all-reduce, which moves 2 (H - 1) / H of the bytes, not
+first; measured on a 2-core VM, 2 processes, 2 KiB sums inside a decode step: a median 92-99 us after the
+last process arrives against 187-193). Larger, gloo's all-reduce, which moves 2 (H - 1) / H of the bytes, not
 H - 1 times."""
 
 
@@ -295,7 +295,8 @@ class _Awake:
     gives way at once to gloo's loop thread (also at ``SCHED_IDLE``) when a message arrives; between
     waits it sleeps. A process waiting on a message otherwise leaves its CPU idle, and waking an idle CPU
     costs more than the message: measured on a 2-core VM, 2 processes on one CPU each, a 2 KiB cross-host
-    sum inside a decode step returned a median 88 us after the last process arrived with it, 120 without.
+    sum inside a decode step returned a median 92-99 us after the last process arrived with it, 106-120
+    without (three runs each).
     It runs on the CPUs of the thread that made the group. Where the OS has no ``SCHED_IDLE`` (or refuses
     it: logged) no such thread runs, since at normal priority it would take CPU time from the process's
     own threads."""
@@ -338,17 +339,19 @@ class _Awake:
         return awake
 
     def __enter__(self) -> None:
-        if self._lib is not None:
-            self._lib.numatp_awake_set(self._ref, 1)
+        self._set(1)
 
     def __exit__(self, *exc: Any) -> None:
-        if self._lib is not None:
-            self._lib.numatp_awake_set(self._ref, 0)
+        self._set(0)
 
     def stop(self) -> None:
-        if self._lib is not None:
-            self._lib.numatp_awake_set(self._ref, 2)
-            self._lib = None
+        self._set(2)
+        self._lib = None
+
+    def _set(self, state: int) -> None:
+        lib = self._lib   # once: stop() may clear it from another thread
+        if lib is not None:
+            lib.numatp_awake_set(self._ref, state)
 
 
 def _store() -> Any:
