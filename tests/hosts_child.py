@@ -13,7 +13,7 @@ its one socket and writes what it saw as JSON to ``OUT/RANK.json``. Scenarios:
 - ``shards``: ``equal`` on a model built with ``shards_only=True`` from the checkpoint the test saved
   (``NUMATP_TEST_CHECKPOINT``), reporting the elements this process read from it;
 - ``sums``: :class:`numatp.runtime.hosts.Hosts` alone: each process's own tensors (small ones, summed by
-  a gather, and one over ``GATHER_BYTES``, by gloo's all-reduce) summed across the 2, with the expected
+  an exchange, and one over ``GATHER_BYTES``, by gloo's all-reduce) summed across the 2, with the expected
   sums and a digest of the results' bytes; then 40 sums whose sizes and dtypes change from one to the
   next; gloo's transport threads and numatp's waiting thread, and their scheduling policy;
 - ``node`` (the multi-node guest): process R takes NUMA node R's socket (its CPUs, its memory, shards

@@ -173,7 +173,7 @@ def test_a_cross_host_sum_posts_the_next_receives_before_it_waits_and_adds_in_pr
     adds every process's part in process order; a sum over ``GATHER_BYTES`` goes to the all-reduce and
     leaves the posted receives for the next exchange. Peer ``p`` sends ``p + 1`` times what this process
     sends (in its dtype), so the sum is ``t`` times the sum of the factors, each part in its place."""
-    from numatp.runtime.hosts import GATHER_BYTES, Hosts, _Awake
+    from numatp.runtime.hosts import GATHER_BYTES, Hosts, _Awake, exchange_bytes
 
     events: list[tuple] = []
     sent: dict[int, torch.Tensor] = {}
@@ -214,7 +214,8 @@ def test_a_cross_host_sum_posts_the_next_receives_before_it_waits_and_adds_in_pr
 
     hosts = Hosts.__new__(Hosts)   # the collective's state only: no torch.distributed here
     hosts.size, hosts.rank, hosts.group = size, rank, Group()
-    row = GATHER_BYTES // size // 64 * 64
+    row = exchange_bytes(size)   # whole cache lines, as many as GATHER_BYTES gathered holds
+    assert row % 64 == 0 and row * size <= GATHER_BYTES < (row + 64) * size
     hosts._rows = [torch.empty((size, row), dtype=torch.uint8) for _ in range(2)]
     hosts._turn, hosts._posted, hosts._exchange_lock = 0, None, threading.Lock()
     hosts.awake = _Awake(None)

@@ -112,11 +112,11 @@ def predict_hosts(preset: str | Mapping[str, Any], batch: int, prompt: int, new_
 
 def _cross_host_seconds(hosts: int, nbytes: int, network_gbs: float, latency_us: float) -> float:
     """One cross-host sum of ``nbytes`` per host, as :meth:`numatp.runtime.hosts.Hosts.all_reduce` does it."""
-    from numatp.runtime.hosts import exchanged
+    from numatp.runtime.hosts import exchange_bytes
 
     if hosts == 1:
         return 0.0
-    if exchanged(nbytes, hosts):   # an exchange: each host's sum goes to every other at once
+    if nbytes <= exchange_bytes(hosts):   # an exchange: each host's sum goes to every other at once
         messages, moved = 1, float((hosts - 1) * nbytes)
     else:
         messages, moved = 2 * (hosts - 1), 2 * (hosts - 1) / hosts * nbytes

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BEAT_SECONDS", "HOST_TIMEOUT", "HostFailure", "Hosts", "HostMismatch", "default_group", "exchanged"]
+__all__ = ["BEAT_SECONDS", "HOST_TIMEOUT", "HostFailure", "Hosts", "HostMismatch", "default_group", "exchange_bytes"]
 
 log = logging.getLogger("numatp")
 
@@ -47,10 +47,10 @@ last process arrives against 187-193). Larger, gloo's all-reduce, which moves 2 
 H - 1 times."""
 
 
-def exchanged(nbytes: int, processes: int) -> bool:
-    """Whether a cross-host sum of ``nbytes`` per process among ``processes`` is an exchange (else gloo's
-    all-reduce): up to :data:`GATHER_BYTES` gathered, in whole cache lines per process."""
-    return nbytes <= GATHER_BYTES // processes // 64 * 64
+def exchange_bytes(processes: int) -> int:
+    """The most bytes per process a cross-host sum among ``processes`` exchanges (larger, gloo's
+    all-reduce): :data:`GATHER_BYTES` gathered, in whole cache lines per process."""
+    return GATHER_BYTES // processes // 64 * 64
 
 
 _TAG = 0
@@ -107,8 +107,7 @@ class Hosts:
         # the exchange (_sum): two buffers of a row of bytes per process; the receives of the next sum are
         # posted into one while the other's are read. A call's sums run one at a time (socket 0's worker
         # during the call, the calling thread after it), in the same order in every process
-        row = GATHER_BYTES // self.size // 64 * 64   # the largest exchange (exchanged())
-        self._rows = [torch.empty((self.size, row), dtype=torch.uint8) for _ in range(2)]
+        self._rows = [torch.empty((self.size, exchange_bytes(self.size)), dtype=torch.uint8) for _ in range(2)]
         self._turn = 0                        # the buffer the posted receives fill
         self._posted: list[Any] | None = None   # those receives, one per peer (None before the first sum)
         self._exchange_lock = threading.Lock()
@@ -154,7 +153,7 @@ class Hosts:
         timeout) ends the work and ``wait`` raises it."""
         nbytes = t.numel() * t.element_size()
         with self.awake:
-            if not exchanged(nbytes, self.size):
+            if nbytes > exchange_bytes(self.size):
                 self.group.allreduce([t]).wait()
                 return
             with self._exchange_lock:
