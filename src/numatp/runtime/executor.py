@@ -109,7 +109,7 @@ class ShardedExecutor:
                 env = dict(zip(prog.placeholders, args))
                 for step in prog.steps:
                     if isinstance(step, Segment):
-                        env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
+                        env.update(zip(step.outputs, step.compiled(*step.take(env))))
                     elif isinstance(step, GemmStep):
                         env[step.dst] = step(env)
                     elif step.matmul is not None:   # with several sockets only (numatp.plan.lower)
@@ -138,7 +138,7 @@ class ShardedExecutor:
             env = dict(zip(prog.placeholders, local_args[rank]))
             for step, frees in zip(prog.steps, prog.frees):
                 if isinstance(step, Segment):
-                    env.update(zip(step.outputs, step.compiled(*[env[k] for k in step.inputs])))
+                    env.update(zip(step.outputs, step.compiled(*step.take(env))))
                 elif isinstance(step, GemmStep):
                     env[step.dst] = step(env)
                 else:

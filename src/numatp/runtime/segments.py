@@ -16,7 +16,10 @@ provider) and ``numatp::socket_all_reduce`` (the collective).
 from __future__ import annotations
 
 import hashlib
+import logging
+import operator
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +30,8 @@ from numatp.progress import step as progress_step
 
 __all__ = ["Segment", "Collective", "GatheredMatmul", "SegmentCompiler", "place"]
 
+log = logging.getLogger("numatp")
+
 
 @dataclass
 class Segment:
@@ -35,6 +40,16 @@ class Segment:
     outputs: list[str]         # env keys written, in output order
     example: list[Any] = field(default_factory=list)
     compiled: Any = None
+
+    _getter: Any = field(default=None, repr=False, compare=False)
+
+    def take(self, env: dict[str, Any]) -> tuple[Any, ...]:
+        """The segment's inputs, in order, from the environment ``env`` (one C call, not a loop). The inputs
+        are fixed once a program runs (the getter is made at the first call)."""
+        if self._getter is None:
+            keys = tuple(self.inputs)
+            self._getter = operator.itemgetter(*keys) if len(keys) > 1 else lambda e: tuple(e[k] for k in keys)
+        return self._getter(env)
 
 
 @dataclass
@@ -129,6 +144,7 @@ class SegmentCompiler:
         self._lock = threading.Lock()
         self.compiled = 0
         self.reused = 0
+        self.direct = 0   # compiled segments called without AOTAutograd's runtime wrapper (see _direct)
 
     def key(self, seg: Segment, threads: int) -> str:
         meta = [(tuple(t.shape), tuple(t.stride()), str(t.dtype)) if isinstance(t, torch.Tensor) else repr(t)
@@ -149,10 +165,88 @@ class SegmentCompiler:
             # the segment was compiled for a stand-in of the weight's plain shape, which only the
             # provider's op reads
             patches = {"cpp_wrapper": True, "cpp.threads": threads, "size_asserts": False}
-            with torch.no_grad(), progress_step("Inductor: compiling a segment of %d nodes for %d thread(s)",
-                                       len(seg.gm.graph.nodes), threads):
-                fn = compile_fx(seg.gm, seg.example, config_patches=patches)
+            kept: dict[str, Any] = {}
+            # AOTAutograd's own cache off: a graph it loads from there never reaches the inner compiler, so
+            # its description (for _direct) would be missing; Inductor's cache still serves the C++
+            with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False), \
+                    progress_step("Inductor: compiling a segment of %d nodes for %d thread(s)",
+                                  len(seg.gm.graph.nodes), threads):
+                fn = compile_fx(seg.gm, seg.example, inner_compile=_keeping(kept), config_patches=patches)
+            direct = _direct(kept, seg.example)
+            if direct is None:
+                log.debug("segment %s: called through AOTAutograd's runtime wrapper (%s)", k[:12],
+                          kept.get("why", "no compiled graph was seen"))
+            else:
+                fn = direct
         with self._lock:
             self._cache.setdefault(k, fn)
             self.compiled += 1
+            self.direct += bool(getattr(fn, "_numatp_direct", False))
         return self._cache[k]
+
+
+def _keeping(kept: dict[str, Any]) -> Callable[..., Any]:
+    """Inductor's inner compiler (``compile_fx_inner``, which ``compile_fx`` hands its own arguments), keeping
+    in ``kept`` what it returns (``"code"``: the compiled graph) and AOTAutograd's description of the graph's
+    inputs and outputs at that moment (``"meta"``), for :func:`_direct`."""
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def inner(gm: torch.fx.GraphModule, example: Sequence[Any], **kwargs: Any) -> Any:
+        code = compile_fx_inner(gm, example, **kwargs)
+        context = TracingContext.try_get()
+        kept["code"], kept["meta"] = code, getattr(context, "fw_metadata", None)
+        return code
+    return inner
+
+
+def _direct(kept: dict[str, Any], example: Sequence[Any]) -> Callable[..., Any] | None:
+    """A call of the compiled graph itself, without AOTAutograd's runtime wrapper, where that wrapper has
+    nothing to do at run time; else None (and ``kept["why"]`` says why).
+
+    In inference the wrapper's work is: mutations of inputs kept out of the graph, outputs that alias
+    inputs or intermediates (rebuilt as views), deduplicated or synthetic-base inputs, effect tokens,
+    functionalized RNG, tensor subclasses. A segment has none of these in the usual case (functional ATen,
+    its state writes kept in the graph), and the wrapper's Python, once per segment per socket per call
+    under the GIL (the sockets leave their segments together, after a reduction, and wait for each other's
+    Python), cost a decode step 0.5-1.0 ms of its 12.8 (gpt2-medium int4:a8 on 2 virtual sockets of a
+    2-core Xeon, alternating runs; docs/quantization.md); anything the description does not rule out keeps
+    the wrapper."""
+    code, meta = kept.get("code"), kept.get("meta")
+    call = getattr(code, "current_callable", None)
+    reasons = {
+        "no description of the graph": meta is None,
+        "the compiled graph has no callable": call is None,
+        "an input is not a tensor": not all(isinstance(t, torch.Tensor) for t in example),
+    }
+    if meta is not None:
+        reasons.update({
+            "inputs were deduplicated or merged": len(getattr(meta, "input_info", ())) != len(example),
+            "an input is mutated outside the graph": getattr(meta, "num_mutated_inp_runtime_indices", 1) != 0,
+            "an output aliases an input or an intermediate": getattr(meta, "num_outputs_aliased", 1) != 0
+            or getattr(meta, "num_intermediate_bases", 1) != 0,
+            "effect tokens": bool(getattr(meta, "tokens", True)),
+            "functionalized RNG": bool(getattr(meta, "is_rng_op_functionalized", True)),
+            "a tensor subclass": bool(getattr(meta, "subclass_inp_meta", None) is None
+                                      or any(not isinstance(m, int) and type(m).__name__ != "PlainTensorMeta"
+                                             for m in meta.subclass_inp_meta)),
+            "grad mode changes in the graph": getattr(meta, "grad_enabled_mutation", None) is not None,
+        })
+    why = [reason for reason, holds in reasons.items() if holds]
+    if why:
+        kept["why"] = "; ".join(why)
+        return None
+
+    # the compiled graph's entry takes its inputs as new handles (which it owns) and returns handles
+    entry = getattr(call, "__globals__", {}).get("inductor_entry")
+    aoti = getattr(torch._C, "_aoti", None)
+    handles = getattr(aoti, "unsafe_alloc_void_ptrs_from_tensors", None)
+    tensors = getattr(aoti, "alloc_tensors_by_stealing_from_void_ptrs", None)
+    if entry is not None and handles is not None and tensors is not None:
+        def direct(*args: Any) -> Any:
+            return tensors(entry(handles(args)))
+    else:
+        def direct(*args: Any) -> Any:
+            return call(list(args))   # the compiled graph's wrapper takes (and empties) a list of its inputs
+    direct._numatp_direct = True  # type: ignore[attr-defined]
+    return direct
