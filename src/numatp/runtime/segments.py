@@ -160,6 +160,7 @@ class SegmentCompiler:
         if self.mode == "eager":
             fn = seg.gm
         else:
+            import torch._functorch.config as functorch
             from torch._inductor.compile_fx import compile_fx
             # no input size asserts: a packed GEMM operand is an opaque tensor (or MKL's buffer) where
             # the segment was compiled for a stand-in of the weight's plain shape, which only the
@@ -168,14 +169,14 @@ class SegmentCompiler:
             kept: dict[str, Any] = {}
             # AOTAutograd's own cache off: a graph it loads from there never reaches the inner compiler, so
             # its description (for _direct) would be missing; Inductor's cache still serves the C++
-            with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False), \
+            no_cache = {"enable_autograd_cache": False} if hasattr(functorch, "enable_autograd_cache") else {}
+            with torch.no_grad(), functorch.patch(no_cache), \
                     progress_step("Inductor: compiling a segment of %d nodes for %d thread(s)",
                                   len(seg.gm.graph.nodes), threads):
                 fn = compile_fx(seg.gm, seg.example, inner_compile=_keeping(kept), config_patches=patches)
             direct = _direct(kept, seg.example)
             if direct is None:
-                log.debug("segment %s: called through AOTAutograd's runtime wrapper (%s)", k[:12],
-                          kept.get("why", "no compiled graph was seen"))
+                log.debug("segment %s: called through AOTAutograd's runtime wrapper (%s)", k[:12], kept["why"])
             else:
                 fn = direct
         with self._lock:
